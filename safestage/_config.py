@@ -1,0 +1,136 @@
+"""Settings: explicit argument > SAFESTAGE_* environment variable > default.
+
+Validation errors say where the bad value came from ("... from SAFESTAGE_PUBLISH"), the
+habit pytest-timeout taught: a typo in a launcher script must be findable from the message.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+from ._errors import ConfigError
+
+PathArg = Union[str, "os.PathLike[str]"]
+
+PUBLISH_CHOICES = ("auto", "replace", "direct")
+
+ENV_SWITCH = "SAFESTAGE"  # "1" on with the default root, "0" off even if SAFESTAGE_DIR is set
+ENV_DIR = "SAFESTAGE_DIR"
+ENV_PUBLISH = "SAFESTAGE_PUBLISH"
+ENV_FSYNC = "SAFESTAGE_FSYNC"
+ENV_LOG_LEVEL = "SAFESTAGE_LOG_LEVEL"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one activation does. ``root=None`` means the per-user default root."""
+
+    root: Optional[Path] = None
+    publish: str = "auto"
+    fsync: bool = True
+
+    def staging_root(self) -> Path:
+        return self.root if self.root is not None else default_root()
+
+
+def default_root() -> Path:
+    """A per-user directory under the system temp dir: $TMPDIR/safestage-<uid>.
+
+    Per user so that a world-writable /tmp cannot be used to pre-plant the directory (it is
+    checked for owner and mode before use, in _stage).
+    """
+    return Path(tempfile.gettempdir()) / f"safestage-{os.getuid()}"
+
+
+def env_value(environ: Mapping[str, str], name: str) -> Optional[str]:
+    """The stripped value of ``name``, or None when unset, empty or only white space."""
+    value = environ.get(name)
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
+def parse_publish(value: object, source: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in PUBLISH_CHOICES:
+        raise ConfigError(
+            f"publish={value!r} from {source} is not one of {', '.join(PUBLISH_CHOICES)}: "
+            "'auto' (replace, or direct where the destination cannot rename), "
+            "'replace' (temp file + os.replace) or 'direct' (write the final name, for object stores)"
+        )
+    return value.strip().lower()
+
+
+def parse_bool(value: object, source: str, option: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(f"{option}={value!r} from {source} is not a boolean: use 1 or 0")
+
+
+def parse_root(value: object, source: str) -> Path:
+    if isinstance(value, bytes):
+        value = os.fsdecode(value)
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(
+            f"staging root {value!r} from {source} is not a path: pass a str or os.PathLike"
+        )
+    text = os.fspath(value)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if not text.strip():
+        raise ConfigError(f"staging root from {source} is empty: name a local directory")
+    if "\x00" in text:
+        raise ConfigError(f"staging root {text!r} from {source} contains a NUL byte")
+    return Path(os.path.abspath(text))
+
+
+def resolve(
+    *,
+    root: Any = UNSET,
+    publish: Any = UNSET,
+    fsync: Any = UNSET,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Settings:
+    """Merge explicit arguments over the environment over the defaults.
+
+    ``root=None`` counts as not given (the environment or the default root applies).
+    """
+    env = os.environ if environ is None else environ
+
+    if root is UNSET or root is None:
+        env_root = env_value(env, ENV_DIR)
+        resolved_root = parse_root(env_root, ENV_DIR) if env_root is not None else None
+    else:
+        resolved_root = parse_root(root, "the root argument")
+
+    if publish is UNSET:
+        env_publish = env_value(env, ENV_PUBLISH)
+        resolved_publish = parse_publish(env_publish, ENV_PUBLISH) if env_publish else "auto"
+    else:
+        resolved_publish = parse_publish(publish, "the publish argument")
+
+    if fsync is UNSET:
+        env_fsync = env_value(env, ENV_FSYNC)
+        resolved_fsync = parse_bool(env_fsync, ENV_FSYNC, "fsync") if env_fsync else True
+    else:
+        if not isinstance(fsync, bool):
+            raise ConfigError(f"fsync={fsync!r} from the fsync argument is not a bool")
+        resolved_fsync = fsync
+
+    return Settings(root=resolved_root, publish=resolved_publish, fsync=resolved_fsync)

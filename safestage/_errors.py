@@ -1,0 +1,67 @@
+"""The exceptions safestage raises.
+
+Each subclasses the builtin that callers already catch: a ConfigError is a ValueError, a
+StagingError or PublishError is an OSError with ``errno`` and ``filename`` set, so code
+that handles a failed ``save_file`` today keeps handling it. All of them pickle (they
+cross process boundaries in torchrun and multiprocessing workers).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+
+class SafestageError(Exception):
+    """Base class of every error safestage raises itself."""
+
+
+class ConfigError(SafestageError, ValueError):
+    """A bad option: names the option, where it came from, and the accepted values."""
+
+
+class _PathError(SafestageError, OSError):
+    """An OSError whose message says what failed, where, the errno and what to do.
+
+    ``str(exc)`` is the whole message; ``exc.errno``, ``exc.strerror`` and ``exc.filename``
+    are set as on any OSError.
+    """
+
+    def __init__(self, errno: Optional[int], message: str, filename: Optional[str] = None) -> None:
+        strerror = os.strerror(errno) if errno else None
+        super().__init__(errno, strerror, filename)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.errno, self.message, self.filename), self.__dict__)
+
+
+class StagingError(_PathError):
+    """The staging root is missing, unusable, on a network/FUSE mount, or ran out of room."""
+
+
+class PublishError(_PathError):
+    """Copying the staged file to its destination failed.
+
+    ``staged_path`` is where the complete staged copy is kept (None if it could not be
+    kept), so nothing is lost: copy it yourself or retry the save.
+    """
+
+    staged_path: Optional[str] = None
+    step: Optional[str] = None
+
+    def __init__(
+        self,
+        errno: Optional[int],
+        message: str,
+        filename: Optional[str] = None,
+        *,
+        staged_path: Optional[str] = None,
+        step: Optional[str] = None,
+    ) -> None:
+        super().__init__(errno, message, filename)
+        self.staged_path = staged_path
+        self.step = step

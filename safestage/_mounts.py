@@ -1,0 +1,132 @@
+"""Which filesystem a path is on, and what each destination device has shown it can do.
+
+The mount table is read from /proc/self/mountinfo (longest mount point that prefixes the
+real path, as findmnt does). Verdicts learnt while publishing ("this device cannot rename")
+are cached per st_dev for the life of the process, so the first failed rename costs one
+fallback and every later save goes straight to the strategy that works.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+# Filesystems whose data lives on another machine or behind a userspace daemon: unsuitable
+# as a staging root (the whole point is a local POSIX write) and the ones worth staging for.
+NETWORK_FS_TYPES = frozenset(
+    {
+        "nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "9p", "afs",
+        "gpfs", "beegfs", "davfs", "ncpfs", "coda", "orangefs", "pvfs2", "virtiofs", "vboxsf",
+        "panfs", "alluxio", "juicefs", "weka", "wekafs",
+    }
+)
+LOCAL_FS_TYPES = frozenset(
+    {
+        "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "reiserfs", "jfs",
+        "tmpfs", "ramfs", "overlay", "vfat", "exfat", "hfsplus", "apfs", "nilfs2",
+    }
+)
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    mount_point: str
+    fs_type: str
+    source: str
+    options: str
+
+    @property
+    def is_fuse(self) -> bool:
+        return self.fs_type == "fuse" or self.fs_type.startswith(("fuse.", "fuseblk"))
+
+    @property
+    def is_network(self) -> bool:
+        return self.fs_type in NETWORK_FS_TYPES
+
+    @property
+    def is_local(self) -> bool:
+        return self.fs_type in LOCAL_FS_TYPES
+
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \040 \011 \012 \134
+    return _OCTAL_ESCAPE.sub(lambda match: chr(int(match[1], 8)), field)
+
+
+def read_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[MountInfo]:
+    mounts = []
+    try:
+        with open(mountinfo, encoding="utf-8", errors="surrogateescape") as table:
+            lines = table.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields, tail = left.split(), right.split()
+        if len(fields) < 6 or len(tail) < 2:
+            continue
+        mounts.append(
+            MountInfo(
+                mount_point=_unescape(fields[4]),
+                fs_type=tail[0],
+                source=_unescape(tail[1]),
+                options=fields[5],
+            )
+        )
+    return mounts
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` itself if it exists, else the nearest parent that does."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def mount_of(path: "os.PathLike[str] | str") -> Optional[MountInfo]:
+    """The mount holding ``path`` (or its nearest existing parent); None if unknown."""
+    real = os.path.realpath(existing_ancestor(Path(path)))
+    best: Optional[MountInfo] = None
+    for mount in read_mounts():
+        point = mount.mount_point.rstrip("/") or "/"
+        if real == point or real.startswith(point + "/") or point == "/":
+            # later lines win ties: a mount stacked on the same point hides the earlier one
+            if best is None or len(point) >= len(best.mount_point.rstrip("/") or "/"):
+                best = mount
+    return best
+
+
+class CapabilityCache:
+    """Per-device verdicts learnt while publishing, e.g. {st_dev: "direct"}."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._strategy: dict[int, str] = {}
+
+    def strategy_for(self, device: int) -> Optional[str]:
+        with self._lock:
+            return self._strategy.get(device)
+
+    def remember(self, device: int, strategy: str) -> bool:
+        """Record a verdict; True if it is news (so the caller warns once per device)."""
+        with self._lock:
+            news = self._strategy.get(device) != strategy
+            self._strategy[device] = strategy
+            return news
+
+    def clear(self) -> None:
+        with self._lock:
+            self._strategy.clear()
+
+
+capabilities = CapabilityCache()

@@ -1,0 +1,423 @@
+"""Publishing a finished local file to its destination, atomically where the destination allows.
+
+Three strategies, chosen per save:
+
+- ``rename``: staging root and destination share a filesystem: chmod, fsync, ``os.replace``.
+  No copy at all.
+- ``replace``: copy into a hidden sibling temp file created exclusively with the final mode,
+  fsync, close (checked), verify the size, then ``os.replace`` it over the final name.
+  Readers see the old file or the new one, never a mix.
+- ``direct``: for destinations that cannot rename (mountpoint-s3, safetensors#792): write the
+  final name with O_CREAT|O_TRUNC. Object stores make the object visible only when close()
+  succeeds, so it is atomic there; on a POSIX filesystem readers may see a partial file.
+
+Every strategy writes the destination sequentially in large chunks and never calls
+ftruncate, fallocate, seek, hard link or O_TMPFILE on it: those are what hostile mounts
+refuse (safetensors#787 ENOSYS on HDFS FUSE, #842 EOPNOTSUPP). chmod is attempted only where
+the created mode would differ from the wanted one, and its failure is ignored.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from ._errors import PublishError
+from ._mounts import capabilities
+from ._names import temp_name
+
+log = logging.getLogger("safestage")
+
+CHUNK_BYTES = 8 << 20  # MiB-sized writes reach a FUSE mount's ceiling; sendfile was 10-45% slower
+
+# What a destination answers when it cannot do an operation at all, as opposed to failing it.
+# safetensors#787: HDFS FUSE answers ENOSYS; #842: other FUSE mounts EOPNOTSUPP; #792:
+# mountpoint-s3 refuses rename and chmod (EPERM on some versions). A same-directory rename can
+# only be EXDEV when the filesystem does not implement rename (gcsfuse, some 9p servers).
+NOT_SUPPORTED = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM, errno.EXDEV})
+
+STRATEGIES = ("rename", "replace", "direct")
+
+
+@dataclass(frozen=True)
+class Published:
+    strategy: str
+    nbytes: int
+    seconds: float
+
+
+class _StepFailed(Exception):
+    """Internal: an OSError tagged with the publishing step it came from."""
+
+    def __init__(self, step: str, error: OSError, path: Path) -> None:
+        super().__init__(step, error, path)
+        self.step, self.error, self.path = step, error, path
+        self.leftover: Optional[Path] = None  # our temp file, if unlinking it failed
+        self.removed: Optional[bool] = None  # direct: whether a torn final file was removed
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it (os.umask is racy across threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _umask_lock:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+_umask_lock = threading.Lock()
+
+
+def wanted_mode(dest: Path) -> tuple[int, bool]:
+    """(mode, existed): an existing file keeps its mode; a new one gets 0o666 & ~umask.
+
+    safetensors 0.8 leaves every file 0600 (safetensors#782); 0.7 and every other file in a
+    checkpoint folder get 0o666 & ~umask, so that is what a new file gets here.
+    """
+    try:
+        return stat.S_IMODE(os.stat(dest).st_mode), True
+    except FileNotFoundError:
+        return 0o666 & ~current_umask(), False
+
+
+def _best_effort_unlink(path: Path) -> Optional[OSError]:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # some mounts refuse unlink too: report, don't crash
+        log.warning("safestage: could not remove %s: %s", path, exc)
+        return exc
+    return None
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename durable. Best effort: many FUSE and network filesystems refuse it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        log.debug("safestage: cannot open %s to fsync it: %s", directory, exc)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        log.debug("safestage: directory fsync of %s refused: %s", directory, exc)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def copy_to_new_file(
+    source: Path, target: Path, *, flags: int, mode: int, fsync: bool, chunk_bytes: int = CHUNK_BYTES
+) -> int:
+    """Copy ``source`` into ``target`` opened with ``flags``; checked fsync, close and size.
+
+    Sequential writes only, from one reusable buffer: memory stays at ``chunk_bytes`` whatever
+    the file size. Returns the byte count. Raises _StepFailed naming the step that failed.
+    """
+    expected = os.stat(source).st_size
+    step = "create"
+    try:
+        out_fd = os.open(target, os.O_WRONLY | os.O_CLOEXEC | flags, mode)
+    except OSError as exc:
+        raise _StepFailed(step, exc, target) from exc
+    copied = 0
+    try:
+        _match_mode(out_fd, mode)
+        step = "write"
+        with open(source, "rb", buffering=0) as src:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            buffer = bytearray(min(chunk_bytes, max(expected, 1)))
+            view = memoryview(buffer)
+            while True:
+                count = src.readinto(buffer)
+                if not count:
+                    break
+                _write_all(out_fd, view[:count])
+                copied += count
+        if fsync:
+            step = "fsync"
+            os.fsync(out_fd)
+    except OSError as exc:
+        try:
+            os.close(out_fd)
+        except OSError:
+            pass  # the write/fsync error is the one to report
+        raise _StepFailed(step, exc, target) from exc
+    step = "close"
+    try:
+        # safetensors 0.7 and 0.8 ignore close(); object stores upload here and report failure
+        # only here, so an unchecked close is a silent data loss.
+        os.close(out_fd)
+    except OSError as exc:
+        raise _StepFailed(step, exc, target) from exc
+    step = "verify"
+    try:
+        size = os.stat(target).st_size
+    except OSError as exc:
+        raise _StepFailed(step, exc, target) from exc
+    if size != expected or copied != expected:
+        short = OSError(errno.EIO, f"{target} holds {size} bytes after close, expected {expected}")
+        raise _StepFailed(step, short, target)
+    return copied
+
+
+def _match_mode(fd: int, mode: int) -> None:
+    # open() applies the umask; an existing destination's mode (say 0666 under umask 022)
+    # needs an explicit fchmod. Object stores refuse chmod (#792): their mode is fixed anyway.
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+            os.fchmod(fd, mode)
+    except OSError as exc:
+        log.debug("safestage: could not set mode %o: %s", mode, exc)
+
+
+def _rename_into_place(staged: Path, dest: Path, *, mode: int, fsync: bool) -> None:
+    step = "chmod"
+    try:
+        os.chmod(staged, mode)
+        if fsync:
+            step = "fsync"
+            fd = os.open(staged, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        step = "rename"
+        os.replace(staged, dest)
+    except OSError as exc:
+        raise _StepFailed(step, exc, dest) from exc
+
+
+def publish_file(
+    staged: Path,
+    dest: Path,
+    *,
+    publish: str,
+    fsync: bool,
+    staging_device: Optional[int],
+    is_complete: Optional[Callable[[Path], bool]] = None,
+) -> Published:
+    """Publish ``staged`` to ``dest``. On failure raise PublishError; ``staged`` is kept.
+
+    ``is_complete`` tells a complete file from a torn one, so that a failed ``direct`` write
+    never leaves a torn file under the final name.
+    """
+    started = time.perf_counter()
+    mode, existed = wanted_mode(dest)
+    directory = dest.parent
+    dest_device = os.stat(directory).st_dev
+    strategy = _choose(publish, dest_device, staging_device)
+
+    if strategy == "rename":
+        try:
+            _rename_into_place(staged, dest, mode=mode, fsync=fsync)
+            nbytes = os.stat(dest).st_size
+        except _StepFailed as failed:
+            # A bind mount of the same filesystem still answers EXDEV: copy instead.
+            if failed.error.errno != errno.EXDEV:
+                raise _publish_error(failed, dest, staged, "rename", existed=existed) from failed.error
+            strategy = "replace" if publish != "direct" else "direct"
+        else:
+            if fsync:
+                fsync_directory(directory)
+            return Published("rename", nbytes, time.perf_counter() - started)
+
+    if strategy == "replace":
+        try:
+            nbytes = _replace(staged, dest, mode=mode, fsync=fsync)
+            return Published("replace", nbytes, time.perf_counter() - started)
+        except _StepFailed as failed:
+            cannot_rename = failed.step == "rename" and failed.error.errno in NOT_SUPPORTED
+            if not (publish == "auto" and cannot_rename):
+                raise _publish_error(failed, dest, staged, "replace", existed=existed) from failed.error
+            if capabilities.remember(dest_device, "direct"):
+                log.warning(
+                    "safestage: %s cannot rename (%s); publishing to that filesystem with "
+                    "publish='direct' from now on (set SAFESTAGE_PUBLISH=direct to skip the probe)",
+                    directory,
+                    _errno_text(failed.error),
+                )
+
+    try:
+        nbytes = _direct(staged, dest, mode=mode, fsync=fsync, existed=existed, is_complete=is_complete)
+    except _StepFailed as failed:
+        raise _publish_error(failed, dest, staged, "direct", existed=existed) from failed.error
+    return Published("direct", nbytes, time.perf_counter() - started)
+
+
+def _choose(publish: str, dest_device: int, staging_device: Optional[int]) -> str:
+    if publish == "direct":
+        return "direct"
+    if publish == "auto" and capabilities.strategy_for(dest_device) == "direct":
+        return "direct"
+    if staging_device is not None and staging_device == dest_device:
+        return "rename"
+    return "replace"
+
+
+def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
+    temp = dest.parent / temp_name(dest.name)
+    try:
+        nbytes = copy_to_new_file(
+            staged, temp, flags=os.O_CREAT | os.O_EXCL, mode=mode, fsync=fsync
+        )
+        try:
+            os.replace(temp, dest)
+        except OSError as exc:
+            raise _StepFailed("rename", exc, dest) from exc
+    except _StepFailed as failed:
+        # Never leave our temp beside the destination; exclusive create means it is ours.
+        if failed.step != "create":
+            failed.leftover = temp if _best_effort_unlink(temp) else None
+        raise
+    if fsync:
+        fsync_directory(dest.parent)
+    return nbytes
+
+
+def _direct(
+    staged: Path,
+    dest: Path,
+    *,
+    mode: int,
+    fsync: bool,
+    existed: bool,
+    is_complete: Optional[Callable[[Path], bool]],
+) -> int:
+    try:
+        return copy_to_new_file(staged, dest, flags=os.O_CREAT | os.O_TRUNC, mode=mode, fsync=fsync)
+    except _StepFailed as failed:
+        if failed.step == "create":
+            raise
+        # An object store keeps the previous object when an upload fails; a POSIX filesystem
+        # has already truncated it. Remove what is under the final name unless it is whole.
+        if not existed or is_complete is None or not _safe_check(is_complete, dest):
+            failed.removed = _best_effort_unlink(dest) is None
+        raise
+
+
+def _safe_check(is_complete: Callable[[Path], bool], path: Path) -> bool:
+    try:
+        return is_complete(path)
+    except OSError:
+        return False
+
+
+def is_complete_safetensors(path: Path) -> bool:
+    """Whether ``path`` holds a whole safetensors file: header parses, size matches it."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) != 8:
+            return False
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > 100 << 20:  # safetensors caps headers at 100 MB
+            return False
+        try:
+            header = json.loads(handle.read(header_len))
+        except ValueError:
+            return False
+        end = 0
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            end = max(end, int(entry["data_offsets"][1]))
+        handle.seek(0, os.SEEK_END)
+        return bool(handle.tell() == 8 + header_len + end)
+
+
+def _errno_text(error: OSError) -> str:
+    code = error.errno
+    name = errno.errorcode.get(code, "?") if code else "?"
+    return f"[Errno {code}] {name}: {error.strerror or error}"
+
+
+_ADVICE = {
+    errno.ENOSPC: "the destination is full: free space there (or choose another destination) and save again",
+    errno.EDQUOT: "the destination quota is exhausted: free space there and save again",
+    errno.EIO: (
+        "the destination failed to store the data (an object-store upload that fails at close "
+        "looks like this): check the mount's health, credentials and logs, then save again"
+    ),
+    errno.EROFS: "the destination is mounted read-only: remount it read-write or save elsewhere",
+    errno.EACCES: "this process may not write in the destination directory: fix its permissions",
+    errno.ENOENT: "the destination directory vanished during the save: recreate it and save again",
+}
+
+
+def _advice(step: str, error: OSError, strategy: str) -> str:
+    code = error.errno
+    if step == "rename" and code in NOT_SUPPORTED and strategy == "replace":
+        return (
+            "this destination cannot rename files: use publish='auto' or publish='direct' "
+            "(SAFESTAGE_PUBLISH=direct)"
+        )
+    if code in NOT_SUPPORTED and strategy == "direct":
+        return "this destination refused even a sequential write of a new file: run `safestage doctor` on it"
+    if code is not None and code in _ADVICE:
+        return _ADVICE[code]
+    return "check the destination (`safestage doctor PATH` probes it) and save again"
+
+
+def _sentence(text: str) -> str:
+    return f"{text[:1].upper()}{text[1:]}."
+
+
+def _publish_error(
+    failed: _StepFailed, dest: Path, staged: Path, strategy: str, *, existed: bool
+) -> PublishError:
+    error = failed.error
+    if strategy == "direct" and failed.step != "create":
+        removed = failed.removed
+        if removed is True:
+            state = f"no incomplete file is left under {dest}"
+        elif removed is False:
+            state = f"{dest} may hold an incomplete file (removing it failed): do not load it"
+        else:
+            state = f"{dest} still holds its previous complete file"
+    elif existed:
+        state = f"{dest} still holds its previous file"
+    else:
+        state = f"nothing was written under {dest}"
+    leftover = failed.leftover
+    if leftover is not None:
+        state += f"; a partial temp file is left at {leftover} (remove it, or run `safestage clean`)"
+    kept = staged if staged.exists() else None
+    where = (
+        f"The complete staged copy is kept at {kept}: copy it there yourself or save again."
+        if kept is not None
+        else "No staged copy could be kept."
+    )
+    message = (
+        f"safestage could not publish {dest} ({strategy}, {failed.step} of {failed.path}): "
+        f"{_errno_text(error)}. {_sentence(_advice(failed.step, error, strategy))} "
+        f"{_sentence(state)} {where}"
+    )
+    return PublishError(
+        error.errno,
+        message,
+        str(dest),
+        staged_path=str(kept) if kept is not None else None,
+        step=failed.step,
+    )

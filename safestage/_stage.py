@@ -1,0 +1,221 @@
+"""The staging root, one private directory per save, and the save itself.
+
+Each save is serialized by the *original* writer into a fresh 0700 directory under a local
+POSIX staging root, then handed to _publish. The private directory is what makes a shared,
+world-writable root safe: nobody else can plant a file or symlink inside it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import shutil
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from ._config import Settings
+from ._errors import StagingError
+from ._mounts import mount_of
+from ._names import stage_dir_name
+from ._publish import is_complete_safetensors, publish_file
+
+log = logging.getLogger("safestage")
+
+_OS_ERROR_IN_MESSAGE = re.compile(r"\(os error (\d+)\)")
+
+
+@dataclass(frozen=True)
+class PublishRecord:
+    """One published file: where it went, how big, how, and how long each half took."""
+
+    destination: Path
+    bytes: int
+    strategy: str  # "rename" (same filesystem, no copy), "replace" or "direct"
+    seconds: float  # serialize + publish, as the caller of save_file waited
+    serialize_seconds: float
+    publish_seconds: float
+
+
+class StagingArea:
+    """A checked staging root. Construct it at activation so a bad root fails early."""
+
+    def __init__(self, root: Path, *, is_default: bool) -> None:
+        self.root = root
+        if is_default:
+            _ensure_private_default(root)
+        _check_root(root)
+        self.device = os.stat(root).st_dev
+
+    def new_private_dir(self) -> Path:
+        for _ in range(100):
+            candidate = self.root / stage_dir_name()
+            try:
+                os.mkdir(candidate, 0o700)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise _root_error(self.root, exc, "create a private staging directory in") from exc
+            return candidate
+        raise StagingError(errno.EEXIST, f"safestage could not find a free staging name under {self.root}", str(self.root))
+
+
+def _ensure_private_default(root: Path) -> None:
+    """Create $TMPDIR/safestage-<uid> 0700, and refuse one someone else planted."""
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise _root_error(root, exc, "create the default staging root") from exc
+    info = os.lstat(root)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise StagingError(
+            errno.EPERM,
+            f"safestage refuses the default staging root {root}: it is not a directory owned by "
+            f"uid {os.getuid()} (someone may have planted it). Remove it, or set SAFESTAGE_DIR "
+            "to a private local directory.",
+            str(root),
+        )
+    if info.st_mode & 0o077:
+        os.chmod(root, 0o700)
+
+
+def _check_root(root: Path) -> None:
+    try:
+        info = os.stat(root)
+    except FileNotFoundError as exc:
+        raise StagingError(
+            errno.ENOENT,
+            f"safestage staging root {root} does not exist: create it (mkdir -p) or choose an "
+            "existing local directory (staged(root) or SAFESTAGE_DIR).",
+            str(root),
+        ) from exc
+    except OSError as exc:
+        raise _root_error(root, exc, "inspect") from exc
+    if not stat.S_ISDIR(info.st_mode):
+        raise StagingError(
+            errno.ENOTDIR,
+            f"safestage staging root {root} is not a directory: name a local directory.",
+            str(root),
+        )
+    mount = mount_of(root)
+    if mount is not None and (mount.is_fuse or mount.is_network):
+        raise StagingError(
+            None,
+            f"safestage staging root {root} is on a {mount.fs_type} mount ({mount.source} at "
+            f"{mount.mount_point}): staging needs a local POSIX filesystem (local disk, NVMe "
+            "scratch or /dev/shm) so the writer's ftruncate and rename work there.",
+            str(root),
+        )
+    # A real write probe: os.access() says yes to root even on a read-only mount.
+    probe = root / stage_dir_name()
+    try:
+        os.mkdir(probe, 0o700)
+    except OSError as exc:
+        raise _root_error(root, exc, "write in") from exc
+    os.rmdir(probe)
+
+
+def _root_error(root: Path, exc: OSError, doing: str) -> StagingError:
+    advice = {
+        errno.EACCES: "make it writable by this user or choose another directory",
+        errno.EPERM: "make it writable by this user or choose another directory",
+        errno.EROFS: "it is on a read-only filesystem: choose another directory",
+        errno.ENOSPC: "its filesystem is full: free space or choose another directory",
+        errno.ENOENT: "it no longer exists: recreate it or choose another directory",
+    }.get(exc.errno or 0, "choose another local directory")
+    return StagingError(
+        exc.errno,
+        f"safestage could not {doing} staging root {root}: [Errno {exc.errno}] {exc.strerror}. "
+        f"Set staged(root) or SAFESTAGE_DIR: {advice}.",
+        str(root),
+    )
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a private staging directory; never raise (cleanup must not mask the real error)."""
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        log.warning("safestage: could not remove staging directory %s", path)
+
+
+def save_staged(
+    serialize: Callable[[str], None],
+    dest: Path,
+    settings: Settings,
+    area: StagingArea,
+) -> PublishRecord:
+    """Serialize into a private dir, publish to ``dest``, clean up; return the record.
+
+    On a publish failure the private dir and its complete file are kept, and the
+    PublishError says where.
+    """
+    started = time.perf_counter()
+    private = area.new_private_dir()
+    staged = private / dest.name
+    try:
+        serialize(str(staged))
+    except BaseException as exc:
+        remove_tree(private)
+        translated = _staging_failure(exc, staged, area.root)
+        if translated is not None:
+            raise translated from exc
+        raise
+    serialized = time.perf_counter()
+    try:
+        published = publish_file(
+            staged,
+            dest,
+            publish=settings.publish,
+            fsync=settings.fsync,
+            staging_device=area.device,
+            is_complete=is_complete_safetensors,
+        )
+    except BaseException:
+        if not staged.exists():
+            remove_tree(private)
+        raise
+    remove_tree(private)
+    done = time.perf_counter()
+    record = PublishRecord(
+        destination=dest,
+        bytes=published.nbytes,
+        strategy=published.strategy,
+        seconds=done - started,
+        serialize_seconds=serialized - started,
+        publish_seconds=done - serialized,
+    )
+    log.debug(
+        "safestage: %s: %d bytes, serialize %.3fs, %s %.3fs",
+        dest, record.bytes, record.serialize_seconds, record.strategy, record.publish_seconds,
+    )
+    return record
+
+
+def _staging_failure(exc: BaseException, staged: Path, root: Path) -> Optional[StagingError]:
+    """An I/O failure of the writer inside the staging root is a staging problem, not the
+    caller's tensors: say so, with the errno. Tensor errors pass through unchanged."""
+    code: Optional[int] = None
+    if isinstance(exc, OSError):
+        code = exc.errno
+    elif type(exc).__name__ == "SafetensorError":
+        match = _OS_ERROR_IN_MESSAGE.search(str(exc))
+        code = int(match[1]) if match else None
+    if code is None:
+        return None
+    advice = {
+        errno.ENOSPC: "the staging root is full: point staged(root) or SAFESTAGE_DIR at a local disk with room for the largest shard",
+        errno.EDQUOT: "the staging root's quota is exhausted: choose another staging root",
+        errno.ENOENT: "the staging root was removed during the save: recreate it or choose another",
+    }.get(code, "check the staging root or choose another")
+    return StagingError(
+        code,
+        f"safestage could not serialize into staging file {staged}: [Errno {code}] "
+        f"{os.strerror(code)} ({exc}). {advice[:1].upper()}{advice[1:]}. The destination was not touched.",
+        str(staged),
+    )
