@@ -16,8 +16,9 @@ from ._stage import PublishRecord, StagingArea, save_staged
 class Stage(contextlib.ContextDecorator):
     """One activation of staging. ``records`` lists every file it published, in order.
 
-    While any Stage is open, every ``safetensors`` save in the process (all threads) is staged;
-    the most recently opened Stage's settings apply and it receives the records.
+    While any Stage is open, every ``safetensors`` save in the process (all threads) is staged.
+    A save uses the innermost Stage its own thread opened, else the innermost one open in
+    the process; that Stage's settings apply and it receives the record.
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -26,6 +27,7 @@ class Stage(contextlib.ContextDecorator):
         self._records_lock = threading.Lock()
         self._area: Optional[StagingArea] = None
         self._state = "new"  # new -> open -> closed
+        self._opened_by: Optional[int] = None  # thread ident: its saves prefer this stage
 
     @property
     def staging_root(self) -> Path:
@@ -42,6 +44,7 @@ class Stage(contextlib.ContextDecorator):
             )
         self._area = StagingArea(self.staging_root, is_default=self.settings.root is None)
         self._state = "open"
+        self._opened_by = threading.get_ident()
         _patch.push(self)
         return self
 

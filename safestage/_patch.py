@@ -37,8 +37,16 @@ _in_save = threading.local()
 
 
 def current_stage() -> Optional[Stage]:
+    """The stage a save in this thread goes through: the innermost one this thread opened,
+    else the innermost one open in the process (saves from worker threads are staged too)."""
     with _lock:
-        return _active[-1] if _active else None
+        if not _active:
+            return None
+        me = threading.get_ident()
+        for stage in reversed(_active):
+            if stage._opened_by == me:
+                return stage
+        return _active[-1]
 
 
 def is_active() -> bool:
