@@ -74,6 +74,16 @@ def remove(stage: Stage) -> None:
             _restore_all()
 
 
+def installed_modules() -> list[str]:
+    """Names of loaded target modules whose serialize_file is (or wraps) our wrapper."""
+    with _lock:
+        return [
+            name
+            for name in TARGET_MODULES
+            if _wraps_ours(getattr(sys.modules.get(name), ATTRIBUTE, None))
+        ]
+
+
 def _is_ours(candidate: object) -> bool:
     return any(candidate is wrapper for wrapper in _ours)
 
@@ -105,7 +115,7 @@ def _restore_all() -> None:
             # ``safetensors``: unwrap to whatever it wrapped.
             setattr(module, ATTRIBUTE, current.__wrapped__)
         elif current is not None and _wraps_ours(current):
-            log.debug("safestage: %s.%s was wrapped over ours; leaving it", name, ATTRIBUTE)
+            log.debug("%s.%s was wrapped over ours; leaving it", name, ATTRIBUTE)
     _ours[:] = [w for w in _ours if _still_referenced(w)]
 
 
@@ -138,7 +148,7 @@ def _on_import(module: Any) -> None:
             if _active:
                 _install(module)
     except Exception:  # pragma: no cover - defensive
-        log.warning("safestage: could not patch %s", getattr(module, "__name__", module), exc_info=True)
+        log.warning("could not patch %s", getattr(module, "__name__", module), exc_info=True)
 
 
 def _register_hooks() -> None:

@@ -101,7 +101,7 @@ def _best_effort_unlink(path: Path) -> Optional[OSError]:
     except FileNotFoundError:
         return None
     except OSError as exc:  # some mounts refuse unlink too: report, don't crash
-        log.warning("safestage: could not remove %s: %s", path, exc)
+        log.warning("could not remove %s: %s", path, exc)
         return exc
     return None
 
@@ -111,12 +111,12 @@ def fsync_directory(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        log.debug("safestage: cannot open %s to fsync it: %s", directory, exc)
+        log.debug("cannot open %s to fsync it: %s", directory, exc)
         return
     try:
         os.fsync(fd)
     except OSError as exc:
-        log.debug("safestage: directory fsync of %s refused: %s", directory, exc)
+        log.debug("directory fsync of %s refused: %s", directory, exc)
     finally:
         os.close(fd)
 
@@ -190,7 +190,7 @@ def _match_mode(fd: int, mode: int) -> None:
         if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
             os.fchmod(fd, mode)
     except OSError as exc:
-        log.debug("safestage: could not set mode %o: %s", mode, exc)
+        log.debug("could not set mode %o: %s", mode, exc)
 
 
 def _rename_into_place(staged: Path, dest: Path, *, mode: int, fsync: bool) -> None:
@@ -254,7 +254,7 @@ def publish_file(
                 raise _publish_error(failed, dest, staged, "replace", existed=existed) from failed.error
             if capabilities.remember(dest_device, "direct"):
                 log.warning(
-                    "safestage: %s cannot rename (%s); publishing to that filesystem with "
+                    "%s cannot rename (%s); publishing to that filesystem with "
                     "publish='direct' from now on (set SAFESTAGE_PUBLISH=direct to skip the probe)",
                     directory,
                     _errno_text(failed.error),

@@ -141,7 +141,7 @@ def remove_tree(path: Path) -> None:
     """Remove a private staging directory; never raise (cleanup must not mask the real error)."""
     shutil.rmtree(path, ignore_errors=True)
     if path.exists():
-        log.warning("safestage: could not remove staging directory %s", path)
+        log.warning("could not remove staging directory %s", path)
 
 
 def save_staged(
@@ -191,7 +191,7 @@ def save_staged(
         publish_seconds=done - serialized,
     )
     log.debug(
-        "safestage: %s: %d bytes, serialize %.3fs, %s %.3fs",
+        "%s: %d bytes, serialize %.3fs, %s %.3fs",
         dest, record.bytes, record.serialize_seconds, record.strategy, record.publish_seconds,
     )
     return record

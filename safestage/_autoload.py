@@ -1,0 +1,105 @@
+"""Activation from the environment at interpreter start (the body of the start-up hook).
+
+Cheap and quiet: nothing heavy is imported here. Activation registers wrapt post-import
+hooks, so the patch lands when the program first imports safetensors.torch (or at once if
+it already has). It never raises: a bad variable, a missing staging root or a broken
+install gives one WARNING naming the variable, saves stay unstaged, the program runs on.
+Idempotent: a .pth can run twice (site.addsitedir on the same directory), and forked
+children inherit the parent's activation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Mapping, Optional
+
+from ._api import Stage
+from ._config import (
+    ENV_DIR,
+    ENV_LOG_LEVEL,
+    ENV_SWITCH,
+    env_value,
+    parse_bool,
+    resolve,
+)
+from ._errors import SafestageError, StagingError
+
+log = logging.getLogger("safestage")
+
+_lock = threading.Lock()
+_stage: Optional[Stage] = None
+_started = False
+
+
+class _StderrUnlessConfigured(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to stderr only while the program has not configured logging itself, so
+    warnings from the start-up hook are seen but never printed twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def _configure_logging(environ: Mapping[str, str]) -> None:
+    if not any(isinstance(h, _StderrUnlessConfigured) for h in log.handlers):
+        handler = _StderrUnlessConfigured(sys.stderr)
+        handler.setFormatter(logging.Formatter("safestage: %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+    level_text = env_value(environ, ENV_LOG_LEVEL)
+    if level_text is None:
+        return
+    level = logging.getLevelName(level_text.upper()) if not level_text.isdigit() else int(level_text)
+    if isinstance(level, int):
+        log.setLevel(level)
+    else:
+        log.warning(
+            "%s=%r is not a logging level (DEBUG, INFO, WARNING, ERROR); keeping WARNING",
+            ENV_LOG_LEVEL,
+            level_text,
+        )
+
+
+def switched_on(environ: Mapping[str, str]) -> bool:
+    """SAFESTAGE=0 wins; otherwise SAFESTAGE=1 or a non-blank SAFESTAGE_DIR turns staging on.
+
+    Raises ConfigError for a SAFESTAGE value that is not a boolean.
+    """
+    switch = env_value(environ, ENV_SWITCH)
+    if switch is not None:
+        return parse_bool(switch, ENV_SWITCH, ENV_SWITCH)
+    return env_value(environ, ENV_DIR) is not None
+
+
+def start_from_environment(environ: Optional[Mapping[str, str]] = None) -> Optional[Stage]:
+    """Activate staging if the environment asks for it; return the Stage, or None."""
+    global _started, _stage
+    env = os.environ if environ is None else environ
+    with _lock:
+        if _started:
+            return _stage
+        _started = True
+        try:
+            _configure_logging(env)
+            if not switched_on(env):
+                return None
+            _stage = Stage(resolve(environ=env))._open()
+        except StagingError as exc:
+            where = env_value(env, ENV_DIR)
+            source = f"{ENV_DIR}={where!r}" if where else f"{ENV_SWITCH}=1 (default root)"
+            log.warning("%s: %s Safetensors saves in this process are not staged.", source, exc)
+            return None
+        except SafestageError as exc:
+            log.warning("%s; safetensors saves in this process are not staged", exc)
+            return None
+        except Exception as exc:  # broken install, unexpected platform: never break start-up
+            log.warning(
+                "activation from the environment failed (%r); safetensors saves in this "
+                "process are not staged",
+                exc,
+            )
+            return None
+        log.debug("staging on from the environment: %r", _stage)
+        return _stage

@@ -1,0 +1,205 @@
+"""Zero-code activation: real interpreters started with SAFESTAGE_* in their environment.
+
+The start-up hook is the installed safestage.pth (editable install in the dev venv; a built
+wheel in a fresh venv in the last test).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SAVE_SCRIPT = textwrap.dedent(
+    """
+    import os, stat, sys
+    import torch
+    from safetensors.torch import save_file, load_file
+    dest = sys.argv[1]
+    tensors = {"w": torch.arange(1000, dtype=torch.float32).reshape(10, 100), "i": torch.arange(7)}
+    save_file(tensors, dest)
+    back = load_file(dest)
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    import safestage
+    print("active", safestage.is_active(), "mode", oct(stat.S_IMODE(os.stat(dest).st_mode)))
+    """
+)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    env.update(extra)
+    return env
+
+
+def run_python(args: list[str], env: dict[str, str], cwd: Path, python: str = sys.executable) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([python, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture
+def hdfs_dir(kit_mounts) -> Path:
+    directory = Path(kit_mounts["hdfs"].path) / f"auto-{os.urandom(4).hex()}"
+    directory.mkdir()
+    return directory
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SAVE_SCRIPT)
+    return path
+
+
+def test_unmodified_script_fails_without_and_succeeds_with_the_variable(script, hdfs_dir, shm_root, kit_mounts):
+    dest = hdfs_dir / "model.safetensors"
+    faults = sum(kit_mounts["hdfs"].faults().values())
+    plain = run_python([str(script), str(dest)], clean_env(), script.parent)
+    assert plain.returncode != 0
+    assert "os error 38" in plain.stderr  # ENOSYS from ftruncate, safetensors#787
+    assert sum(kit_mounts["hdfs"].faults().values()) > faults, "the ENOSYS fault never fired"
+
+    staged = run_python([str(script), str(dest)], clean_env(SAFESTAGE_DIR=str(shm_root)), script.parent)
+    assert staged.returncode == 0, staged.stderr
+    assert "active True mode 0o644" in staged.stdout
+    assert [name for name in os.listdir(hdfs_dir) if not name.startswith(".tmp")] == ["model.safetensors"]
+    assert os.listdir(shm_root) == []
+
+
+def test_spawned_child_is_staged_too(tmp_path, hdfs_dir, shm_root):
+    program = tmp_path / "spawn.py"
+    program.write_text(
+        textwrap.dedent(
+            f"""
+            import multiprocessing as mp, runpy, sys
+            def child(dest):
+                sys.argv = ["train.py", dest]
+                runpy.run_path({str(tmp_path / "train.py")!r}, run_name="__main__")
+            if __name__ == "__main__":
+                ctx = mp.get_context("spawn")
+                proc = ctx.Process(target=child, args=(sys.argv[1],))
+                proc.start(); proc.join()
+                sys.exit(proc.exitcode)
+            """
+        )
+    )
+    (tmp_path / "train.py").write_text(SAVE_SCRIPT)
+    dest = hdfs_dir / "spawned.safetensors"
+    result = run_python([str(program), str(dest)], clean_env(SAFESTAGE_DIR=str(shm_root)), tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "active True mode 0o644" in result.stdout
+    assert dest.exists()
+
+
+def _importtime(env: dict[str, str], code: str, cwd: Path) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    result = run_python(["-X", "importtime", "-c", code], env, cwd)
+    modules = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
+    return result, modules
+
+
+def test_unset_costs_no_import(tmp_path):
+    result, modules = _importtime(clean_env(), "pass", tmp_path)
+    assert result.returncode == 0
+    assert modules, "importtime printed nothing: the check would prove nothing"
+    assert not [m for m in modules if "safestage" in m or m in ("wrapt", "torch", "safetensors")]
+
+
+def test_set_imports_no_torch_until_the_program_does(tmp_path, shm_root):
+    code = "import sys; print(sorted(m for m in ('torch', 'safetensors', 'safetensors.torch') if m in sys.modules))"
+    result, modules = _importtime(clean_env(SAFESTAGE_DIR=str(shm_root)), code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    assert "safestage._autoload" in modules  # the hook did run
+    assert "torch" not in modules and "safetensors" not in modules
+
+
+@pytest.mark.parametrize(
+    ("variables", "needle"),
+    [
+        ({"SAFESTAGE": "1", "SAFESTAGE_PUBLISH": "bogus"}, "SAFESTAGE_PUBLISH"),
+        ({"SAFESTAGE_DIR": "{file}"}, "SAFESTAGE_DIR"),
+        ({"SAFESTAGE_DIR": "{readonly}"}, "SAFESTAGE_DIR"),
+        ({"SAFESTAGE_DIR": "{missing}"}, "SAFESTAGE_DIR"),
+        ({"SAFESTAGE": "maybe"}, "SAFESTAGE"),
+        ({"SAFESTAGE_DIR": "{shm}", "SAFESTAGE_FSYNC": "sometimes"}, "SAFESTAGE_FSYNC"),
+    ],
+)
+def test_bad_values_warn_once_and_run_on(tmp_path, shm_root, variables, needle):
+    (tmp_path / "file").write_text("not a directory")
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)], check=True)
+    try:
+        values = {
+            k: v.format(file=tmp_path / "file", readonly=readonly, missing=tmp_path / "nope", shm=shm_root)
+            for k, v in variables.items()
+        }
+        (tmp_path / "train.py").write_text(SAVE_SCRIPT)
+        result = run_python([str(tmp_path / "train.py"), str(tmp_path / "out.safetensors")], clean_env(**values), tmp_path)
+    finally:
+        subprocess.run(["umount", "-l", str(readonly)], check=False)
+    assert result.returncode == 0, result.stderr
+    assert "active False" in result.stdout  # saves unstaged, program ran on
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("safestage: WARNING")]
+    assert len(warnings) == 1, result.stderr
+    assert needle in warnings[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_switch_off_wins_and_switch_on_uses_default_root(tmp_path, shm_root):
+    (tmp_path / "train.py").write_text(SAVE_SCRIPT)
+    args = [str(tmp_path / "train.py"), str(tmp_path / "out.safetensors")]
+    off = run_python(args, clean_env(SAFESTAGE="0", SAFESTAGE_DIR=str(shm_root)), tmp_path)
+    assert "active False" in off.stdout and off.stderr == ""
+    on = run_python(args, clean_env(SAFESTAGE="1", TMPDIR=str(shm_root)), tmp_path)
+    assert "active True" in on.stdout, on.stderr
+    assert (shm_root / f"safestage-{os.getuid()}").is_dir()
+    blank = run_python(args, clean_env(SAFESTAGE_DIR="   "), tmp_path)
+    assert "active False" in blank.stdout and blank.stderr == ""
+
+
+def test_hook_is_idempotent(tmp_path, shm_root):
+    code = textwrap.dedent(
+        """
+        import site, sysconfig, _safestage_startup
+        from safestage import _patch
+        _safestage_startup.start()
+        site.addsitedir(sysconfig.get_paths()["purelib"])  # runs safestage.pth again
+        print(len(_patch._active))
+        """
+    )
+    result = run_python(["-c", code], clean_env(SAFESTAGE_DIR=str(shm_root)), tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1"
+
+
+def test_built_wheel_in_a_fresh_venv(tmp_path, hdfs_dir, shm_root):
+    """Not only the editable install: the wheel must place the hook in site-packages."""
+    project = Path(__file__).resolve().parents[1]
+    wheels = tmp_path / "wheels"
+    build = run_python(["-m", "build", "--wheel", "--no-isolation", "-o", str(wheels), str(project)], clean_env(), tmp_path)
+    assert build.returncode == 0, build.stderr[-2000:]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    (wheel,) = wheels.glob("safestage-*.whl")
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert install.returncode == 0, install.stderr
+    # torch, safetensors and wrapt come from the dev venv as a plain path entry (its own .pth
+    # files, including the editable safestage, are not processed from there).
+    purelib = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    assert (purelib / "safestage.pth").exists() and (purelib / "safestage.start").exists()
+    (purelib / "zz_dev_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (tmp_path / "train.py").write_text(SAVE_SCRIPT + "\nprint('from', safestage.__file__)\n")
+    dest = hdfs_dir / "wheel.safetensors"
+    result = run_python([str(tmp_path / "train.py"), str(dest)], clean_env(SAFESTAGE_DIR=str(shm_root)), tmp_path, python=python)
+    assert result.returncode == 0, result.stderr
+    assert "active True mode 0o644" in result.stdout
+    assert f"from {purelib}" in result.stdout
