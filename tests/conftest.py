@@ -16,6 +16,8 @@ import pytest
 
 SHM = Path("/dev/shm")
 
+pytest_plugins = ["pytester"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

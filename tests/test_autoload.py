@@ -196,7 +196,8 @@ def test_built_wheel_in_a_fresh_venv(tmp_path, hdfs_dir, shm_root):
     # files, including the editable safestage, are not processed from there).
     purelib = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     assert (purelib / "safestage.pth").exists() and (purelib / "safestage.start").exists()
-    (purelib / "zz_dev_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # named to sort before safestage.pth: .pth files run in name order
+    (purelib / "aa_dev_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     (tmp_path / "train.py").write_text(SAVE_SCRIPT + "\nprint('from', safestage.__file__)\n")
     dest = hdfs_dir / "wheel.safetensors"
     result = run_python([str(tmp_path / "train.py"), str(dest)], clean_env(SAFESTAGE_DIR=str(shm_root)), tmp_path, python=python)
