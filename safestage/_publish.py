@@ -20,16 +20,14 @@ the created mode would differ from the wanted one, and its failure is ignored.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import stat
-import struct
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from ._errors import PublishError
 from ._mounts import capabilities
@@ -83,16 +81,18 @@ def current_umask() -> int:
 _umask_lock = threading.Lock()
 
 
-def wanted_mode(dest: Path) -> tuple[int, bool]:
-    """(mode, existed): an existing file keeps its mode; a new one gets 0o666 & ~umask.
+def wanted_mode(dest: Path) -> tuple[int, Optional[os.stat_result]]:
+    """(mode, previous stat or None): an existing file keeps its mode; a new one gets
+    0o666 & ~umask.
 
     safetensors 0.8 leaves every file 0600 (safetensors#782); 0.7 and every other file in a
     checkpoint folder get 0o666 & ~umask, so that is what a new file gets here.
     """
     try:
-        return stat.S_IMODE(os.stat(dest).st_mode), True
+        previous = os.stat(dest)
     except FileNotFoundError:
-        return 0o666 & ~current_umask(), False
+        return 0o666 & ~current_umask(), None
+    return stat.S_IMODE(previous.st_mode), previous
 
 
 def _best_effort_unlink(path: Path) -> Optional[OSError]:
@@ -217,15 +217,11 @@ def publish_file(
     publish: str,
     fsync: bool,
     staging_device: Optional[int],
-    is_complete: Optional[Callable[[Path], bool]] = None,
 ) -> Published:
-    """Publish ``staged`` to ``dest``. On failure raise PublishError; ``staged`` is kept.
-
-    ``is_complete`` tells a complete file from a torn one, so that a failed ``direct`` write
-    never leaves a torn file under the final name.
-    """
+    """Publish ``staged`` to ``dest``. On failure raise PublishError; ``staged`` is kept."""
     started = time.perf_counter()
-    mode, existed = wanted_mode(dest)
+    mode, previous = wanted_mode(dest)
+    existed = previous is not None
     directory = dest.parent
     dest_device = os.stat(directory).st_dev
     strategy = _choose(publish, dest_device, staging_device)
@@ -261,7 +257,7 @@ def publish_file(
                 )
 
     try:
-        nbytes = _direct(staged, dest, mode=mode, fsync=fsync, existed=existed, is_complete=is_complete)
+        nbytes = _direct(staged, dest, mode=mode, fsync=fsync, previous=previous)
     except _StepFailed as failed:
         raise _publish_error(failed, dest, staged, "direct", existed=existed) from failed.error
     return Published("direct", nbytes, time.perf_counter() - started)
@@ -298,13 +294,7 @@ def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
 
 
 def _direct(
-    staged: Path,
-    dest: Path,
-    *,
-    mode: int,
-    fsync: bool,
-    existed: bool,
-    is_complete: Optional[Callable[[Path], bool]],
+    staged: Path, dest: Path, *, mode: int, fsync: bool, previous: Optional[os.stat_result]
 ) -> int:
     try:
         return copy_to_new_file(staged, dest, flags=os.O_CREAT | os.O_TRUNC, mode=mode, fsync=fsync)
@@ -312,39 +302,20 @@ def _direct(
         if failed.step == "create":
             raise
         # An object store keeps the previous object when an upload fails; a POSIX filesystem
-        # has already truncated it. Remove what is under the final name unless it is whole.
-        if not existed or is_complete is None or not _safe_check(is_complete, dest):
+        # has already truncated it. Keep the final name only if it is still that old file.
+        if not _unchanged(dest, previous):
             failed.removed = _best_effort_unlink(dest) is None
         raise
 
 
-def _safe_check(is_complete: Callable[[Path], bool], path: Path) -> bool:
+def _unchanged(path: Path, previous: Optional[os.stat_result]) -> bool:
+    if previous is None:
+        return False
     try:
-        return is_complete(path)
+        now = os.stat(path)
     except OSError:
         return False
-
-
-def is_complete_safetensors(path: Path) -> bool:
-    """Whether ``path`` holds a whole safetensors file: header parses, size matches it."""
-    with open(path, "rb") as handle:
-        head = handle.read(8)
-        if len(head) != 8:
-            return False
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > 100 << 20:  # safetensors caps headers at 100 MB
-            return False
-        try:
-            header = json.loads(handle.read(header_len))
-        except ValueError:
-            return False
-        end = 0
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            end = max(end, int(entry["data_offsets"][1]))
-        handle.seek(0, os.SEEK_END)
-        return bool(handle.tell() == 8 + header_len + end)
+    return (now.st_size, now.st_mtime_ns) == (previous.st_size, previous.st_mtime_ns)
 
 
 def _errno_text(error: OSError) -> str:

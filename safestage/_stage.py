@@ -22,7 +22,7 @@ from ._config import Settings
 from ._errors import StagingError
 from ._mounts import mount_of
 from ._names import stage_dir_name
-from ._publish import is_complete_safetensors, publish_file
+from ._publish import publish_file
 
 log = logging.getLogger("safestage")
 
@@ -174,7 +174,6 @@ def save_staged(
             publish=settings.publish,
             fsync=settings.fsync,
             staging_device=area.device,
-            is_complete=is_complete_safetensors,
         )
     except BaseException:
         if not staged.exists():
