@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from ._api import Stage, activate, is_active, staged
+from ._api import Stage, activate, is_active, staged, staged_file, wait
 from ._errors import ConfigError, PublishError, SafestageError, StagingError
 from ._stage import PublishRecord
 
@@ -30,6 +30,8 @@ __all__ = [
     "activate",
     "is_active",
     "staged",
+    "staged_file",
+    "wait",
 ]
 
 logging.getLogger("safestage").addHandler(logging.NullHandler())

@@ -3,14 +3,33 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
+import os
 import threading
+import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from . import _config, _patch
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+from . import _background, _config, _patch
 from ._config import UNSET, PathArg, Settings
-from ._stage import PublishRecord, StagingArea, save_staged
+from ._errors import PublishError, StagingError
+from ._mounts import is_local_disk
+from ._stage import (
+    PublishRecord,
+    StagedFile,
+    StagingArea,
+    publish_staged,
+    remove_tree,
+    write_staged,
+    write_unstaged,
+)
+
+log = logging.getLogger("safestage")
 
 
 class Stage(contextlib.ContextDecorator):
@@ -28,6 +47,7 @@ class Stage(contextlib.ContextDecorator):
         self._area: Optional[StagingArea] = None
         self._state = "new"  # new -> open -> closed
         self._opened_by: Optional[int] = None  # thread ident: its saves prefer this stage
+        self._futures: list[Future[PublishRecord]] = []  # background publishes of this stage
 
     @property
     def staging_root(self) -> Path:
@@ -49,11 +69,18 @@ class Stage(contextlib.ContextDecorator):
         return self
 
     def close(self) -> None:
-        """End this activation (idempotent). The original serialize_file returns when the
-        last open activation ends."""
+        """End this activation (idempotent) and wait for its background publishes, raising
+        the first error. The original serialize_file returns when the last activation ends."""
         if self._state == "open":
             self._state = "closed"
             _patch.remove(self)
+        self.wait()
+
+    def wait(self) -> None:
+        """Wait for this stage's background publishes; raise the first error (all are logged)."""
+        futures, self._futures = self._futures, []
+        if futures:
+            _background.publisher().wait(futures)  # type: ignore[arg-type]
 
     def __enter__(self) -> Stage:
         return self._open()
@@ -64,7 +91,13 @@ class Stage(contextlib.ContextDecorator):
         exc: Optional[BaseException],
         traceback: Optional[TracebackType],
     ) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        try:  # the block's own exception wins; publish failures are logged, not raised over it
+            self.close()
+        except Exception as publish_error:
+            log.error("while handling %r: %s", exc, publish_error)
 
     def _recreate_cm(self) -> Stage:
         # As a decorator, each call gets a fresh activation with the same settings.
@@ -73,7 +106,24 @@ class Stage(contextlib.ContextDecorator):
     def _save(self, serialize: Callable[[str], None], dest: Path) -> None:
         area = self._area
         assert area is not None, "a Stage saves only while open"
-        record = save_staged(serialize, dest, self.settings, area)
+        if self.settings.when == "auto" and is_local_disk(dest.parent):
+            self._record(write_unstaged(serialize, dest, self.settings))
+            return
+        item = write_staged(serialize, dest, area)
+        if not self.settings.background:
+            self._publish(item, area)
+            return
+        future = _background.publisher().submit(
+            lambda: self._publish(item, area), dest, max_pending=self.settings.max_pending
+        )
+        self._futures.append(future)
+
+    def _publish(self, item: StagedFile, area: StagingArea) -> PublishRecord:
+        record = publish_staged(item, self.settings, area)
+        self._record(record)
+        return record
+
+    def _record(self, record: PublishRecord) -> None:
         with self._records_lock:
             self.records.append(record)
 
@@ -90,16 +140,31 @@ def staged(
     *,
     publish: Any = UNSET,
     fsync: Any = UNSET,
+    background: Any = UNSET,
+    max_pending: Any = UNSET,
+    when: Any = UNSET,
 ) -> Stage:
     """Stage every safetensors save made inside the block (or the decorated function).
 
     ``root`` is a local directory to serialize into (default: SAFESTAGE_DIR, else
     $TMPDIR/safestage-<uid>). ``publish`` is "auto", "replace" or "direct"; ``fsync``
-    flushes each published file to stable storage. Arguments beat SAFESTAGE_* variables.
+    flushes each published file to stable storage. ``background=True`` returns from each
+    save once it is staged and publishes on worker threads, at most ``max_pending`` files at
+    once; the block's end waits for them. ``when="auto"`` writes destinations on local disk
+    directly (no staging) and stages the rest. Arguments beat SAFESTAGE_* variables.
     Options are checked here (ConfigError); the staging root when the block starts
     (StagingError).
     """
-    return Stage(_config.resolve(root=root, publish=publish, fsync=fsync))
+    return Stage(
+        _config.resolve(
+            root=root,
+            publish=publish,
+            fsync=fsync,
+            background=background,
+            max_pending=max_pending,
+            when=when,
+        )
+    )
 
 
 def activate(
@@ -107,9 +172,73 @@ def activate(
     *,
     publish: Any = UNSET,
     fsync: Any = UNSET,
+    background: Any = UNSET,
+    max_pending: Any = UNSET,
+    when: Any = UNSET,
 ) -> Stage:
     """Like ``staged()``, already entered: call ``.close()`` on the handle to end it."""
-    return staged(root, publish=publish, fsync=fsync)._open()
+    return staged(
+        root, publish=publish, fsync=fsync, background=background, max_pending=max_pending, when=when
+    )._open()
+
+
+def wait() -> None:
+    """Wait for every pending background publish in the process; raise the first error."""
+    _background.wait_all()
+
+
+@contextlib.contextmanager
+def staged_file(
+    dest: PathArg,
+    root: Optional[PathArg] = None,
+    *,
+    publish: Any = UNSET,
+    fsync: Any = UNSET,
+) -> Iterator[Path]:
+    """Yield a local path for any writer; publish it to ``dest`` when the block succeeds.
+
+        with safestage.staged_file("/mnt/s3/ckpt/optimizer.pt") as local:
+            torch.save(optimizer.state_dict(), local)
+
+    Same strategies and guarantees as staged saves. If the block raises, nothing is
+    published and the local file is removed.
+    """
+    settings = _config.resolve(root=root, publish=publish, fsync=fsync)
+    target = Path(os.path.abspath(os.fspath(dest)))
+    _check_destination(target)
+    area = StagingArea(settings.staging_root(), is_default=settings.root is None)
+    started = time.perf_counter()
+    private = area.new_private_dir()
+    local = private / target.name
+    try:
+        yield local
+    except BaseException:
+        remove_tree(private)
+        raise
+    if not local.is_file():
+        remove_tree(private)
+        raise StagingError(
+            errno.ENOENT,
+            f"safestage.staged_file: nothing was written to {local}, so nothing was published to {target}.",
+            str(local),
+        )
+    item = StagedFile(private, local, target, started, time.perf_counter() - started)
+    publish_staged(item, settings, area)
+
+
+def _check_destination(target: Path) -> None:
+    if not target.parent.is_dir():
+        raise PublishError(
+            errno.ENOENT,
+            f"safestage: the directory of {target} does not exist: create it before saving.",
+            str(target),
+        )
+    if target.is_dir():
+        raise PublishError(
+            errno.EISDIR,
+            f"safestage: {target} is a directory: name a file inside it.",
+            str(target),
+        )
 
 
 def is_active() -> bool:

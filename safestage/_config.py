@@ -7,7 +7,6 @@ habit pytest-timeout taught: a typo in a launcher script must be findable from t
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -23,6 +22,11 @@ ENV_DIR = "SAFESTAGE_DIR"
 ENV_PUBLISH = "SAFESTAGE_PUBLISH"
 ENV_FSYNC = "SAFESTAGE_FSYNC"
 ENV_LOG_LEVEL = "SAFESTAGE_LOG_LEVEL"
+ENV_BACKGROUND = "SAFESTAGE_BACKGROUND"
+ENV_MAX_PENDING = "SAFESTAGE_MAX_PENDING"
+ENV_WHEN = "SAFESTAGE_WHEN"
+
+WHEN_CHOICES = ("always", "auto")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -43,6 +47,9 @@ class Settings:
     root: Optional[Path] = None
     publish: str = "auto"
     fsync: bool = True
+    background: bool = False  # publish on worker threads while the caller goes on
+    max_pending: int = 2  # background: files publishing at once; the caller waits beyond it
+    when: str = "always"  # "auto": local-disk destinations use the original writer unstaged
 
     def staging_root(self) -> Path:
         return self.root if self.root is not None else default_root()
@@ -54,6 +61,8 @@ def default_root() -> Path:
     Per user so that a world-writable /tmp cannot be used to pre-plant the directory (it is
     checked for owner and mode before use, in _stage).
     """
+    import tempfile  # only when the default root is asked for: tempfile is slow to import
+
     return Path(tempfile.gettempdir()) / f"safestage-{os.getuid()}"
 
 
@@ -83,6 +92,23 @@ def parse_bool(value: object, source: str, option: str) -> bool:
     raise ConfigError(f"{option}={value!r} from {source} is not a boolean: use 1 or 0")
 
 
+def parse_when(value: object, source: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in WHEN_CHOICES:
+        raise ConfigError(
+            f"when={value!r} from {source} is not one of {', '.join(WHEN_CHOICES)}: 'always' "
+            "stages every save, 'auto' writes local-disk destinations directly and stages the rest"
+        )
+    return value.strip().lower()
+
+
+def parse_count(value: object, source: str, option: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+        raise ConfigError(f"{option}={value!r} from {source} is not a whole number from 1 to 64")
+    return value
+
+
 def parse_root(value: object, source: str) -> Path:
     if isinstance(value, bytes):
         value = os.fsdecode(value)
@@ -105,6 +131,9 @@ def resolve(
     root: Any = UNSET,
     publish: Any = UNSET,
     fsync: Any = UNSET,
+    background: Any = UNSET,
+    max_pending: Any = UNSET,
+    when: Any = UNSET,
     environ: Optional[Mapping[str, str]] = None,
 ) -> Settings:
     """Merge explicit arguments over the environment over the defaults.
@@ -125,12 +154,28 @@ def resolve(
     else:
         resolved_publish = parse_publish(publish, "the publish argument")
 
-    if fsync is UNSET:
-        env_fsync = env_value(env, ENV_FSYNC)
-        resolved_fsync = parse_bool(env_fsync, ENV_FSYNC, "fsync") if env_fsync else True
-    else:
-        if not isinstance(fsync, bool):
-            raise ConfigError(f"fsync={fsync!r} from the fsync argument is not a bool")
-        resolved_fsync = fsync
+    return Settings(
+        root=resolved_root,
+        publish=resolved_publish,
+        fsync=_flag(fsync, "fsync", env, ENV_FSYNC, default=True),
+        background=_flag(background, "background", env, ENV_BACKGROUND, default=False),
+        max_pending=(
+            parse_count(max_pending, "the max_pending argument", "max_pending")
+            if max_pending is not UNSET
+            else parse_count(env_value(env, ENV_MAX_PENDING) or "2", ENV_MAX_PENDING, "max_pending")
+        ),
+        when=(
+            parse_when(when, "the when argument")
+            if when is not UNSET
+            else parse_when(env_value(env, ENV_WHEN) or "always", ENV_WHEN)
+        ),
+    )
 
-    return Settings(root=resolved_root, publish=resolved_publish, fsync=resolved_fsync)
+
+def _flag(value: Any, option: str, env: Mapping[str, str], variable: str, *, default: bool) -> bool:
+    if value is UNSET:
+        text = env_value(env, variable)
+        return parse_bool(text, variable, option) if text is not None else default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{option}={value!r} from the {option} argument is not a bool")
+    return value

@@ -106,6 +106,23 @@ def mount_of(path: "os.PathLike[str] | str") -> Optional[MountInfo]:
     return best
 
 
+_local_devices: dict[int, bool] = {}
+_local_lock = threading.Lock()
+
+
+def is_local_disk(directory: Path) -> bool:
+    """Whether ``directory`` is on a local disk filesystem (cached per device)."""
+    device = os.stat(directory).st_dev
+    with _local_lock:
+        known = _local_devices.get(device)
+    if known is None:
+        mount = mount_of(directory)
+        known = mount is not None and mount.is_local
+        with _local_lock:
+            _local_devices[device] = known
+    return known
+
+
 class CapabilityCache:
     """Per-device verdicts learnt while publishing, e.g. {st_dev: "direct"}."""
 

@@ -22,7 +22,7 @@ from ._config import Settings
 from ._errors import StagingError
 from ._mounts import mount_of
 from ._names import stage_dir_name
-from ._publish import publish_file
+from ._publish import fsync_directory, publish_file, wanted_mode
 
 log = logging.getLogger("safestage")
 
@@ -35,7 +35,7 @@ class PublishRecord:
 
     destination: Path
     bytes: int
-    strategy: str  # "rename" (same filesystem, no copy), "replace" or "direct"
+    strategy: str  # "rename" (same filesystem, no copy), "replace", "direct", or "unstaged" (when="auto")
     seconds: float  # serialize + publish, as the caller of save_file waited
     serialize_seconds: float
     publish_seconds: float
@@ -144,56 +144,102 @@ def remove_tree(path: Path) -> None:
         log.warning("could not remove staging directory %s", path)
 
 
-def save_staged(
-    serialize: Callable[[str], None],
-    dest: Path,
-    settings: Settings,
-    area: StagingArea,
-) -> PublishRecord:
-    """Serialize into a private dir, publish to ``dest``, clean up; return the record.
+@dataclass(frozen=True)
+class StagedFile:
+    """A complete file in its private staging directory, waiting to be published."""
 
-    On a publish failure the private dir and its complete file are kept, and the
-    PublishError says where.
+    private: Path
+    path: Path
+    dest: Path
+    started: float  # perf_counter when the save began
+    serialize_seconds: float
+
+    @property
+    def nbytes(self) -> int:
+        return os.stat(self.path).st_size
+
+
+def write_staged(write: Callable[[str], None], dest: Path, area: StagingArea) -> StagedFile:
+    """Run ``write(local_path)`` into a fresh private directory; clean up if it fails.
+
+    An I/O failure inside the staging root (full, removed) becomes a StagingError; any other
+    error of the writer (bad tensors) reaches the caller unchanged.
     """
     started = time.perf_counter()
     private = area.new_private_dir()
     staged = private / dest.name
     try:
-        serialize(str(staged))
+        write(str(staged))
+        if not staged.is_file():
+            raise StagingError(
+                errno.ENOENT,
+                f"safestage: the writer returned but left no file at {staged}; nothing was published to {dest}.",
+                str(staged),
+            )
     except BaseException as exc:
         remove_tree(private)
         translated = _staging_failure(exc, staged, area.root)
         if translated is not None:
             raise translated from exc
         raise
-    serialized = time.perf_counter()
+    return StagedFile(private, staged, dest, started, time.perf_counter() - started)
+
+
+def publish_staged(item: StagedFile, settings: Settings, area: StagingArea) -> PublishRecord:
+    """Publish a staged file and remove its private directory; return the record.
+
+    On failure the private directory and its complete file are kept, and the PublishError
+    says where.
+    """
+    publish_started = time.perf_counter()
     try:
         published = publish_file(
-            staged,
-            dest,
+            item.path,
+            item.dest,
             publish=settings.publish,
             fsync=settings.fsync,
             staging_device=area.device,
         )
     except BaseException:
-        if not staged.exists():
-            remove_tree(private)
+        if not item.path.exists():
+            remove_tree(item.private)
         raise
-    remove_tree(private)
+    remove_tree(item.private)
     done = time.perf_counter()
     record = PublishRecord(
-        destination=dest,
+        destination=item.dest,
         bytes=published.nbytes,
         strategy=published.strategy,
-        seconds=done - started,
-        serialize_seconds=serialized - started,
-        publish_seconds=done - serialized,
+        seconds=done - item.started,
+        serialize_seconds=item.serialize_seconds,
+        publish_seconds=done - publish_started,
     )
     log.debug(
         "%s: %d bytes, serialize %.3fs, %s %.3fs",
-        dest, record.bytes, record.serialize_seconds, record.strategy, record.publish_seconds,
+        item.dest, record.bytes, record.serialize_seconds, record.strategy, record.publish_seconds,
     )
     return record
+
+
+def write_unstaged(write: Callable[[str], None], dest: Path, settings: Settings) -> PublishRecord:
+    """when="auto" on a local disk: the original writer straight to ``dest``, no staging.
+
+    Then the mode safetensors 0.8 gets wrong (0600 whatever the umask, safetensors#782) is
+    set to what a staged save would give, and the file is fsync'ed if asked.
+    """
+    started = time.perf_counter()
+    mode, _previous = wanted_mode(dest)
+    write(str(dest))
+    os.chmod(dest, mode)
+    if settings.fsync:
+        fd = os.open(dest, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_directory(dest.parent)
+    seconds = time.perf_counter() - started
+    return PublishRecord(dest, os.stat(dest).st_size, "unstaged", seconds, seconds, 0.0)
 
 
 def _staging_failure(exc: BaseException, staged: Path, root: Path) -> Optional[StagingError]:

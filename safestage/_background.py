@@ -1,0 +1,109 @@
+"""Pipelined publishing: the caller serializes the next shard while earlier ones publish.
+
+Serialization stays synchronous (safetensors 0.8 passes raw data pointers that are valid
+only during the serialize_file call); only the copy to the destination moves to a worker.
+Bounded: at most ``max_pending`` files publish at once and the saving thread waits for a free
+slot, so the staging root holds at most max_pending + 1 files of the run at any time.
+Publishes of the same destination run in order. Nothing is dropped: waiting raises the
+first error (every error is logged), and interpreter exit completes whatever is pending.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, TypeVar
+
+if TYPE_CHECKING:  # concurrent.futures is imported on first background use, not at start-up
+    from concurrent.futures import Future
+
+log = logging.getLogger("safestage")
+
+T = TypeVar("T")
+
+
+class BackgroundPublisher:
+    """A process-wide pool of publishing threads with a bound on pending files."""
+
+    def __init__(self, workers: int = 8) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="safestage-publish")
+        self._condition = threading.Condition()
+        self._pending: dict[Future[object], Path] = {}
+        self._unobserved: list[Future[object]] = []
+
+    def submit(self, job: Callable[[], T], dest: Path, *, max_pending: int) -> Future[T]:
+        """Run ``job`` on a worker once fewer than ``max_pending`` files are publishing and
+        no earlier publish of ``dest`` is pending. Blocks the caller until then."""
+        with self._condition:
+            self._condition.wait_for(
+                lambda: len(self._pending) < max_pending and dest not in self._pending.values()
+            )
+            future: Future[T] = self._executor.submit(job)
+            self._pending[future] = dest  # type: ignore[index]
+            self._unobserved.append(future)  # type: ignore[arg-type]
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future[object]) -> None:
+        error = future.exception()
+        if error is not None:
+            log.error("background publish of %s failed: %s", self._pending.get(future), error)
+        with self._condition:
+            self._pending.pop(future, None)
+            self._condition.notify_all()
+
+    def wait(self, futures: Optional[Iterable[Future[object]]] = None) -> None:
+        """Wait for ``futures`` (default: every publish in the process); raise the first error.
+
+        Each error is raised once: a publish already waited for elsewhere is skipped.
+        """
+        with self._condition:
+            if futures is None:
+                chosen = list(self._unobserved)
+            else:
+                chosen = [f for f in futures if f in self._unobserved]
+        first: Optional[BaseException] = None
+        for future in chosen:
+            error = future.exception()  # waits
+            if first is None and error is not None:
+                first = error
+        with self._condition:
+            self._unobserved = [f for f in self._unobserved if f not in chosen]
+        if first is not None:
+            raise first
+
+    def pending(self) -> int:
+        with self._condition:
+            return len(self._pending)
+
+
+_publisher: Optional[BackgroundPublisher] = None
+_publisher_lock = threading.Lock()
+
+
+def publisher() -> BackgroundPublisher:
+    global _publisher
+    with _publisher_lock:
+        if _publisher is None:
+            _publisher = BackgroundPublisher()
+            atexit.register(_complete_at_exit)
+        return _publisher
+
+
+def wait_all() -> None:
+    """safestage.wait(): wait for every pending background publish; raise the first error."""
+    if _publisher is not None:
+        _publisher.wait()
+
+
+def _complete_at_exit() -> None:
+    # concurrent.futures runs every queued job before atexit callbacks run; this wait is a
+    # backstop. Failures were logged at ERROR when they happened, so none is dropped silently.
+    try:
+        wait_all()
+    except BaseException:
+        pass
