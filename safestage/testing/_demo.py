@@ -1,0 +1,114 @@
+"""The demo behind ``safestage demo``: one real save per hostile destination, first with the
+plain safetensors writer, then through safestage. Returns rows; the CLI prints them.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+DEMO_MODES = ("hdfs", "eopnotsupp", "objectstore", "mountpoint", "close-eio")
+
+
+@dataclass(frozen=True)
+class DemoRow:
+    destination: str
+    plain: str  # what safetensors alone did
+    staged: str  # what the same save through safestage did
+    plain_ok: bool
+    staged_ok: bool
+
+
+def _tensors() -> dict[str, Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(7)
+    return {
+        "embed.weight": torch.randn(512, 256, generator=generator),
+        "norm.weight": torch.ones(256, dtype=torch.bfloat16),
+        "step": torch.tensor(1000),
+    }
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0]
+    return f"{type(exc).__name__}: {text[:110]}"
+
+
+def _leftovers(directory: Path, keep: str) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name != keep)
+
+
+def _outcome(directory: Path, name: str, tensors: dict[str, Any]) -> tuple[bool, str]:
+    """Whether ``name`` loads back equal, and a description with mode and leftovers."""
+    import torch
+    from safetensors.torch import load_file
+
+    path = directory / name
+    extra = _leftovers(directory, name)
+    tail = f", left {', '.join(extra)}" if extra else ""
+    if not path.exists():
+        return False, f"file missing{tail}"
+    try:
+        back = load_file(str(path))
+    except Exception as exc:
+        return False, f"unloadable ({_short(exc)}){tail}"
+    equal = all(torch.equal(back[key], value) for key, value in tensors.items())
+    mode = oct(stat.S_IMODE(os.stat(path).st_mode))
+    return equal, f"{'loads back equal' if equal else 'WRONG DATA'}, mode {mode}{tail}"
+
+
+def run_demo(
+    *, root: Optional[Path] = None, progress: Optional[Callable[[str], None]] = None
+) -> list[DemoRow]:
+    """Mount each hostile mode, save plainly, then through safestage; report both."""
+    from safetensors.torch import save_file
+
+    import safestage
+    from safestage.testing import hostile_mount
+
+    tensors = _tensors()
+    rows: list[DemoRow] = []
+    with ExitStack() as stack:
+        base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="safestage-demo-")))
+        staging_root = root or base / "staging"
+        staging_root.mkdir(exist_ok=True)
+        destinations: list[tuple[str, Path]] = []
+        for mode in DEMO_MODES:
+            if progress:
+                progress(f"mounting a real '{mode}' FUSE filesystem")
+            mount = stack.enter_context(hostile_mount(mode, base / f"mnt-{mode}"))
+            destinations.append((f"{mode} (FUSE)", Path(mount.path)))
+        local = base / "disk"
+        local.mkdir()
+        destinations.append(("local disk", local))
+        for label, mount_path in destinations:
+            plain_dir, staged_dir = mount_path / "plain", mount_path / "staged"
+            plain_dir.mkdir()
+            staged_dir.mkdir()
+            name = "model.safetensors"
+            try:
+                save_file(tensors, str(plain_dir / name))
+            except Exception as exc:
+                extra = _leftovers(plain_dir, name)
+                plain_ok = False
+                plain = _short(exc) + (f"; left {', '.join(extra)}" if extra else "")
+            else:
+                plain_ok, described = _outcome(plain_dir, name, tensors)
+                plain = f"returned success: {described}"
+            try:
+                with safestage.staged(staging_root) as stage:
+                    save_file(tensors, str(staged_dir / name))
+            except safestage.PublishError as exc:
+                staged_ok = False
+                staged = f"PublishError [{exc.errno}], loud; complete copy kept at {exc.staged_path}"
+            else:
+                staged_ok, described = _outcome(staged_dir, name, tensors)
+                staged = f"{stage.records[0].strategy}: {described}"
+            rows.append(DemoRow(label, plain, staged, plain_ok, staged_ok))
+    return rows
