@@ -21,6 +21,14 @@ pytest_plugins = ["pytester"]
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The suite checks activation itself: a SAFESTAGE_* variable in the caller's environment
+    # would switch staging on in this process (start-up hook) and in every child it starts.
+    for name in [n for n in os.environ if n.startswith("SAFESTAGE")]:
+        del os.environ[name]
+    from safestage import _autoload
+
+    if _autoload._stage is not None:
+        _autoload._stage.close()
 
 
 @pytest.fixture(autouse=True)

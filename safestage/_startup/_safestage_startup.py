@@ -16,14 +16,17 @@ def enabled(environ=os.environ):  # type: ignore[no-untyped-def]
 
 
 def start():  # type: ignore[no-untyped-def]
-    if not enabled():
-        return
     try:
-        from safestage._autoload import start_from_environment
+        if enabled():
+            from safestage._autoload import start_from_environment
 
-        start_from_environment()
+            start_from_environment()
     except Exception as exc:  # a broken install must not break the interpreter
         sys.stderr.write(
             "safestage: start-up hook failed (%r); safetensors saves in this process are not staged\n"
             % (exc,)
         )
+    finally:
+        # Leave no trace in sys.modules: pytest would warn that it cannot assertion-rewrite a
+        # module of a plugin's distribution that was imported before it started.
+        sys.modules.pop(__name__, None)
