@@ -1,0 +1,10 @@
+"""`python -m safestage`: the same as the `safestage` command."""
+
+from __future__ import annotations
+
+import sys
+
+from ._cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

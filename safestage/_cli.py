@@ -1,0 +1,529 @@
+"""The `safestage` command: doctor, run, status, clean, demo. The only module that prints.
+
+Exit status: 0 all good; 1 the command found a problem (doctor: a plain save fails or loses
+data here, or staging is not possible / fails too; status: a SAFESTAGE_* variable is bad;
+clean: something could not be removed); 2 a usage error. `run` exits with its command's
+status (128 + N when a signal N killed it).
+
+--json output: doctor's keys are documented in _doctor; status prints {version, python,
+hook {installed, files, searched}, environment {VAR: value of every SAFESTAGE* variable set},
+would_activate, settings {root, root_source, publish, fsync, and every other option} or null,
+active_in_this_process, error}; clean
+prints {path, dry_run, entries [{name, kind, host, pid, action, reason}], removed,
+would_remove, kept, failed}.
+
+Nothing heavy is imported at module level: `safestage status` stays fast, and torch and
+safetensors are imported only by the saves of `safestage doctor`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import site
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from . import __version__
+from ._config import (
+    ENV_DIR,
+    ENV_FSYNC,
+    ENV_PUBLISH,
+    ENV_SWITCH,
+    env_value,
+    parse_publish,
+    parse_root,
+    resolve,
+)
+from ._errors import ConfigError
+
+if TYPE_CHECKING:
+    from ._doctor import Report, SaveReport, StagingReport
+
+HOOK_FILES = ("safestage.pth", "safestage.start")  # .pth up to Python 3.14, .start (PEP 829) after
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)
+
+
+# -- arguments ---------------------------------------------------------------------------------
+
+
+def _root_argument(value: str) -> Path:
+    try:
+        return parse_root(value, "--dir")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _publish_argument(value: str) -> str:
+    try:
+        return parse_publish(value, "--publish")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _seconds_argument(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds >= 0")
+    return seconds
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="safestage",
+        description="Make safetensors saves land, complete, on FUSE, object-store and "
+        "cross-device destinations.",
+    )
+    parser.add_argument("--version", action="version", version=f"safestage {__version__}")
+    parser.set_defaults(handler=None)
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="probe a destination directory: what fails there, and the settings that fix it",
+        description="Probe PATH (in a private directory it removes afterwards): which "
+        "syscalls fail there, whether a plain safetensors save works, whether a save through "
+        "safestage works, and the settings to use.",
+    )
+    doctor.add_argument("path", metavar="PATH", type=Path, help="the directory you save into")
+    doctor.add_argument("--dir", metavar="STAGING_ROOT", type=_root_argument,
+                        help="staging root to check (default: SAFESTAGE_DIR, else $TMPDIR/safestage-<uid>)")  # fmt: skip
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    doctor.set_defaults(handler=_doctor)
+
+    run = commands.add_parser(
+        "run",
+        help="run a command with staging switched on through the environment",
+        description="Run CMD with SAFESTAGE=1 and the given SAFESTAGE_DIR, SAFESTAGE_PUBLISH, "
+        "SAFESTAGE_FSYNC in its environment; the start-up hook of its Python activates staging.",
+    )
+    run.add_argument("--dir", metavar="D", type=_root_argument, help="staging root (SAFESTAGE_DIR)")
+    run.add_argument("--publish", metavar="P", type=_publish_argument,
+                     help="auto, replace or direct (SAFESTAGE_PUBLISH)")  # fmt: skip
+    run.add_argument(
+        "--no-fsync", action="store_true", help="do not fsync published files (SAFESTAGE_FSYNC=0)"
+    )
+    run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+    run.set_defaults(handler=_run)
+
+    status = commands.add_parser(
+        "status",
+        help="version, start-up hook, and what the environment would activate",
+    )
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(handler=_status)
+
+    clean = commands.add_parser(
+        "clean",
+        help="remove safestage's leftovers whose process is gone",
+        description="Remove, among the entries of PATH (not recursively), safestage's temp "
+        "files, staging directories and doctor probe directories whose owner process is gone. "
+        "Nothing else is ever touched.",
+    )
+    clean.add_argument(
+        "path", metavar="PATH", type=Path, help="a destination directory or a staging root"
+    )
+    clean.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    clean.add_argument("--older-than", metavar="SECONDS", type=_seconds_argument,
+                       help="also remove leftovers of other hosts untouched for longer than this")  # fmt: skip
+    clean.add_argument("--json", action="store_true", help="print one JSON object")
+    clean.set_defaults(handler=_clean)
+
+    demo = commands.add_parser(
+        "demo",
+        help="mount real hostile filesystems and save to each, without and with safestage",
+        description="Mount the hostile FUSE filesystems of safestage.testing (needs fuse3 and "
+        "/dev/fuse), save the same tensors to each with plain safetensors, then through "
+        "safestage, and print what happened side by side.",
+    )
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import textwrap
+
+    from .testing import FuseUnavailable
+    from .testing._demo import run_demo
+
+    try:
+        rows = run_demo(progress=lambda text: print(f"... {text}", file=sys.stderr))
+    except FuseUnavailable as exc:
+        print(f"safestage demo: {exc}", file=sys.stderr)
+        return 1
+    import safetensors
+
+    print(f"\nThe same save_file() of 3 tensors, safetensors {safetensors.__version__} alone vs through safestage:\n")
+    width = 44
+    print(f"{'destination':<18} {'safetensors alone':<{width}}   {'through safestage':<{width}}   verdict")
+    print(f"{'-' * 18} {'-' * width}   {'-' * width}   {'-' * 9}")
+    for row in rows:
+        left = textwrap.wrap(row.plain, width) or [""]
+        right = textwrap.wrap(row.staged, width) or [""]
+        for index in range(max(len(left), len(right))):
+            first = index == 0
+            print(
+                f"{row.destination if first else '':<18} "
+                f"{left[index] if index < len(left) else '':<{width}}   "
+                f"{right[index] if index < len(right) else '':<{width}}   "
+                f"{row.verdict if first else ''}"
+            )
+    broken = [row.destination for row in rows if row.verdict == "BROKEN"]
+    if broken:
+        print(f"\nsafestage did not fix: {', '.join(broken)}", file=sys.stderr)
+    return 1 if broken else 0
+
+
+def _usage_error(command: str, message: str) -> int:
+    print(f"safestage {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _print_json(data: Mapping[str, Any]) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def _table(rows: Sequence[tuple[str, str]], indent: str = "  ") -> None:
+    width = max((len(label) for label, _ in rows), default=0)
+    for label, value in rows:
+        print(f"{indent}{label:<{width}}  {value}".rstrip())
+
+
+def _existing_directory(command: str, path: Path) -> Optional[int]:
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a directory"
+        return _usage_error(command, f"{path} {what}: give the directory to {command}")
+    return None
+
+
+# -- doctor ------------------------------------------------------------------------------------
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from ._doctor import run_doctor
+
+    error = _existing_directory("doctor", args.path)
+    if error is not None:
+        return error
+    report = run_doctor(args.path, root=args.dir)
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        _print_doctor(report)
+    return 1 if report.problems else 0
+
+
+def _print_doctor(report: Report) -> None:
+    staging, mount = report.staging, report.mount
+    print(f"safestage doctor {report.path}")
+    rows = [("mount", _mount_text(mount)), ("staging root", _staging_text(staging))]
+    if report.probe.error is not None:
+        rows.append(("probe", report.probe.error))
+    for step, result in report.probe.steps.items():
+        detail = report.probe.details.get(step)
+        rows.append(
+            (
+                step.replace("_", "-"),
+                result if result == "ok" or detail is None else f"{result}  ({detail})",
+            )
+        )
+    rows += [
+        ("plain save", _save_text(report.plain_save, plain=True)),
+        ("staged save", _save_text(report.staged_save, plain=False)),
+        (
+            "cleanup",
+            "probe directory removed"
+            if report.cleanup.removed
+            else f"FAILED: {report.cleanup.error}",
+        ),
+        ("verdict", report.verdict),
+    ]
+    recommendation = report.recommendation
+    env = recommendation.get("env") or {}
+    if env:
+        rows.append(("recommended", " ".join(f"{name}={value}" for name, value in env.items())))
+        rows.append(("", recommendation["text"]))
+    else:
+        rows.append(("recommended", recommendation.get("text", "")))
+    _table(rows)
+    if report.problems:
+        print("problems:")
+        for problem in report.problems:
+            print(f"  - {problem}")
+
+
+def _mount_text(mount: Optional[Mapping[str, Any]]) -> str:
+    if mount is None:
+        return "unknown (no /proc/self/mountinfo entry)"
+    kind = " (FUSE)" if mount["is_fuse"] else " (network)" if mount["is_network"] else ""
+    return f"{mount['fs_type']}{kind}  {mount['source']} at {mount['mount_point']}"
+
+
+def _staging_text(staging: StagingReport) -> str:
+    head = f"{staging.root} ({staging.source}, {staging.fs_type or 'unknown fs'})"
+    if not staging.usable:
+        return f"{head}  UNUSABLE: {staging.error}"
+    where = (
+        "same filesystem: publish is a rename, no copy"
+        if staging.same_device
+        else "another filesystem: publish copies"
+    )
+    return f"{head}  usable; {where}"
+
+
+def _save_text(save: SaveReport, *, plain: bool) -> str:
+    if save.result == "not-run":
+        return "not run"
+    if save.result == "ok":
+        how = f"{save.strategy}, " if save.strategy else ""
+        note = (
+            ": safetensors 0.8 ignores the umask, safetensors#782"
+            if plain and save.mode == "0600"
+            else ""
+        )
+        return f"ok  ({how}loads back equal; mode {save.mode}{note})"
+    label = "DATA LOSS" if save.result == "data-loss" else "FAILED"
+    return f"{label}  {save.error}"
+
+
+# -- run ---------------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        return _usage_error("run", "no command given: safestage run [options] -- CMD ARGS...")
+    env = child_environment(
+        os.environ, root=args.dir, publish=args.publish, fsync=not args.no_fsync
+    )
+    try:
+        resolve(environ=env)  # what the child would fail on, said once, before it starts
+    except ConfigError as exc:
+        return _usage_error("run", str(exc))
+    if not _hook_files():
+        print(
+            "safestage run: warning: the start-up hook (safestage.pth) is not installed in "
+            f"{sys.executable}; CMD's saves are staged only if its Python has the hook "
+            "(pip install safestage)",
+            file=sys.stderr,
+        )
+    return _run_child(command, env)
+
+
+def child_environment(
+    environ: Mapping[str, str], *, root: Optional[Path], publish: Optional[str], fsync: bool
+) -> dict[str, str]:
+    """The parent's environment with staging switched on. SAFESTAGE=1 also with --dir: an
+    inherited SAFESTAGE=0 would otherwise switch the requested staging off."""
+    env = dict(environ)
+    env[ENV_SWITCH] = "1"
+    if root is not None:
+        env[ENV_DIR] = str(root)
+    if publish is not None:
+        env[ENV_PUBLISH] = publish
+    if not fsync:
+        env[ENV_FSYNC] = "0"
+    return env
+
+
+def _run_child(command: list[str], env: dict[str, str]) -> int:
+    try:
+        child = subprocess.Popen(command, env=env)
+    except FileNotFoundError:
+        print(f"safestage run: command not found: {command[0]}", file=sys.stderr)
+        return 127
+    except PermissionError:
+        print(f"safestage run: permission denied: {command[0]}", file=sys.stderr)
+        return 126
+    with _signals_forwarded_to(child):
+        code = child.wait()
+    return 128 - code if code < 0 else code
+
+
+@contextmanager
+def _signals_forwarded_to(child: subprocess.Popen[bytes]) -> Iterator[None]:
+    """While waiting: Ctrl-C reaches the child from the terminal (ignore it here, so we still
+    return its status); SIGTERM and SIGHUP sent to us are passed on."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        child.send_signal(signum)
+
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, forward),
+        signal.SIGHUP: signal.signal(signal.SIGHUP, forward),
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+# -- status ------------------------------------------------------------------------------------
+
+
+def _site_dirs() -> list[str]:
+    dirs = list(getattr(site, "getsitepackages", list)())
+    dirs.append(site.getusersitepackages())
+    return list(dict.fromkeys(dirs))
+
+
+def _hook_files() -> list[str]:
+    return [
+        str(Path(directory) / name)
+        for directory in _site_dirs()
+        for name in HOOK_FILES
+        if (Path(directory) / name).is_file()
+    ]
+
+
+def status_report(environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """What `safestage status --json` prints (keys in the module docstring)."""
+    from . import is_active
+    from ._autoload import switched_on
+
+    env = os.environ if environ is None else environ
+    report: dict[str, Any] = {
+        "version": __version__,
+        "python": sys.executable,
+        "hook": {"installed": False, "files": _hook_files(), "searched": _site_dirs()},
+        "environment": {
+            name: env[name]
+            for name in sorted(env)
+            if name == ENV_SWITCH or name.startswith("SAFESTAGE_")
+        },
+        "would_activate": False,
+        "settings": None,
+        "active_in_this_process": is_active(),
+        "error": None,
+    }
+    report["hook"]["installed"] = bool(report["hook"]["files"])
+    try:
+        report["would_activate"] = switched_on(env)
+        settings = resolve(environ=env)
+    except ConfigError as exc:
+        report["error"] = str(exc)
+        return report
+    report["settings"] = {
+        **asdict(settings),  # every option, also those added later
+        "root": str(settings.staging_root()),
+        "root_source": ENV_DIR if env_value(env, ENV_DIR) is not None else "default",
+    }
+    return report
+
+
+def _status(args: argparse.Namespace) -> int:
+    report = status_report()
+    if args.json:
+        _print_json(report)
+        return 1 if report["error"] else 0
+    hook = report["hook"]
+    settings = report["settings"]
+    env_text = " ".join(f"{name}={value}" for name, value in report["environment"].items())
+    rows = [
+        ("version", report["version"]),
+        ("python", report["python"]),
+        (
+            "start-up hook",
+            ", ".join(hook["files"])
+            if hook["installed"]
+            else f"not installed (looked in {', '.join(hook['searched'])})",
+        ),
+        ("environment", env_text or "no SAFESTAGE_* variable set"),
+        ("would stage", _activation_text(report)),
+        ("settings", _settings_text(settings)),
+        ("active here", "yes" if report["active_in_this_process"] else "no"),
+    ]
+    _table(rows, indent="")
+    if report["error"]:
+        print(f"error: {report['error']}")
+        return 1
+    return 0
+
+
+def _settings_text(settings: Optional[Mapping[str, Any]]) -> str:
+    if settings is None:
+        return "-"
+    return (
+        f"root {settings['root']} ({settings['root_source']}), publish {settings['publish']}, "
+        f"fsync {'on' if settings['fsync'] else 'off'}"
+    )
+
+
+def _activation_text(report: Mapping[str, Any]) -> str:
+    if report["error"]:
+        return "unknown (configuration error below)"
+    if not report["would_activate"]:
+        return (
+            "no (set SAFESTAGE=1 or SAFESTAGE_DIR to stage every save; SAFESTAGE=0 switches it off)"
+        )
+    if not report["hook"]["installed"]:
+        return "yes, but the start-up hook is not installed: only code calling safestage.staged() stages"
+    return "yes: every safetensors save in a new Python process is staged"
+
+
+# -- clean -------------------------------------------------------------------------------------
+
+
+def _clean(args: argparse.Namespace) -> int:
+    from ._clean import KINDS, clean
+
+    error = _existing_directory("clean", args.path)
+    if error is not None:
+        return error
+    entries = clean(args.path, dry_run=args.dry_run, older_than=args.older_than)
+    counts = {
+        action: sum(e.action == action for e in entries)
+        for action in ("removed", "would-remove", "kept", "failed")
+    }
+    if args.json:
+        _print_json(
+            {
+                "path": str(Path(os.path.abspath(args.path))),
+                "dry_run": args.dry_run,
+                "entries": [entry.to_json() for entry in entries],
+                **{action.replace("-", "_"): count for action, count in counts.items()},
+            }
+        )
+    else:
+        if entries:
+            _table(
+                [
+                    (entry.action, f"{entry.name}  {KINDS[entry.kind]}: {entry.reason}")
+                    for entry in entries
+                ],
+                indent="",
+            )
+        summary = ", ".join(
+            f"{count} {action}"
+            for action, count in counts.items()
+            if count or action in ("removed", "kept")
+        )
+        print(f"{summary} (safestage leftovers in {args.path}; nothing else is touched)")
+    return 1 if counts["failed"] else 0
