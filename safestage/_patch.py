@@ -14,12 +14,13 @@ registered once per process (wrapt cannot unregister them) and do nothing while 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 if TYPE_CHECKING:
     from ._api import Stage
@@ -163,6 +164,17 @@ def _register_hooks() -> None:
     _hooks_registered = True
 
 
+@contextlib.contextmanager
+def bypass() -> Iterator[None]:
+    """Saves made by this thread inside the block go straight to the original writer."""
+    previous = getattr(_in_save, "active", False)
+    _in_save.active = True
+    try:
+        yield
+    finally:
+        _in_save.active = previous
+
+
 def _filename_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
     """(filename, positional?) of serialize_file(tensor_dict, filename, metadata=None)."""
     if len(args) >= 2:
@@ -190,11 +202,8 @@ def _staging_wrapper(
         else:
             wrapped(*args, **{**kwargs, "filename": staged})
 
-    _in_save.active = True
-    try:
+    with bypass():  # a wrapper over ours, calling back into us, must not stage twice
         return stage._save(serialize, dest)
-    finally:
-        _in_save.active = False
 
 
 def _destination(filename: Any) -> Optional[Path]:

@@ -121,7 +121,7 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def write_all(fd: int, data: memoryview) -> None:
     while data:
         written = os.write(fd, data)
         data = data[written:]
@@ -154,7 +154,7 @@ def copy_to_new_file(
                 count = src.readinto(buffer)
                 if not count:
                     break
-                _write_all(out_fd, view[:count])
+                write_all(out_fd, view[:count])
                 copied += count
         if fsync:
             step = "fsync"

@@ -50,6 +50,7 @@ class StagingArea:
             _ensure_private_default(root)
         _check_root(root)
         self.device = os.stat(root).st_dev
+        _sweep_dead(root)
 
     def new_private_dir(self) -> Path:
         for _ in range(100):
@@ -62,6 +63,23 @@ class StagingArea:
                 raise _root_error(self.root, exc, "create a private staging directory in") from exc
             return candidate
         raise StagingError(errno.EEXIST, f"safestage could not find a free staging name under {self.root}", str(self.root))
+
+
+def _sweep_dead(root: Path) -> None:
+    """Remove staging directories that processes on this host left when they died (the same
+    rules as `safestage clean`: one that still holds a finished file is kept)."""
+    from ._clean import clean  # local: only activation needs it
+
+    try:
+        entries = clean(root)
+    except OSError as exc:
+        log.debug("could not sweep %s: %s", root, exc)
+        return
+    for entry in entries:
+        if entry.action == "removed":
+            log.info("removed %s/%s: %s", root, entry.name, entry.reason)
+        elif entry.action == "kept" and "complete copy" in entry.reason:
+            log.warning("%s/%s: %s", root, entry.name, entry.reason)
 
 
 def _ensure_private_default(root: Path) -> None:
@@ -242,15 +260,20 @@ def write_unstaged(write: Callable[[str], None], dest: Path, settings: Settings)
     return PublishRecord(dest, os.stat(dest).st_size, "unstaged", seconds, seconds, 0.0)
 
 
+def errno_of(exc: BaseException) -> Optional[int]:
+    """The errno of an OSError, or of a SafetensorError (whose text ends "(os error N)")."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    if type(exc).__name__ == "SafetensorError":
+        match = _OS_ERROR_IN_MESSAGE.search(str(exc))
+        return int(match[1]) if match else None
+    return None
+
+
 def _staging_failure(exc: BaseException, staged: Path, root: Path) -> Optional[StagingError]:
     """An I/O failure of the writer inside the staging root is a staging problem, not the
     caller's tensors: say so, with the errno. Tensor errors pass through unchanged."""
-    code: Optional[int] = None
-    if isinstance(exc, OSError):
-        code = exc.errno
-    elif type(exc).__name__ == "SafetensorError":
-        match = _OS_ERROR_IN_MESSAGE.search(str(exc))
-        code = int(match[1]) if match else None
+    code = errno_of(exc)
     if code is None:
         return None
     advice = {

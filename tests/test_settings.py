@@ -125,3 +125,26 @@ def test_used_stage_cannot_be_reentered(tmp_path):
         pass
     with pytest.raises(RuntimeError, match="already used"), stage:
         pass
+
+
+def test_activation_sweeps_dead_processes_staging_dirs(tmp_path, caplog):
+    import logging
+    import subprocess
+
+    from safestage._names import _HOST
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    torn = tmp_path / f"safestage-{_HOST}-{child.pid}-0badc0de"
+    torn.mkdir()
+    (torn / ".tmpAbC123").write_bytes(b"half a shard")
+    finished = tmp_path / f"safestage-{_HOST}-{child.pid}-0000beef"
+    finished.mkdir()
+    (finished / "model.safetensors").write_bytes(b"complete copy of a failed publish")
+    live = tmp_path / f"safestage-{_HOST}-{os.getpid()}-12345678"
+    live.mkdir()
+    (tmp_path / "notes.txt").write_text("not ours")
+    with caplog.at_level(logging.WARNING, logger="safestage"), safestage.staged(tmp_path):
+        pass
+    assert sorted(os.listdir(tmp_path)) == sorted([finished.name, live.name, "notes.txt"])
+    assert any(finished.name in record.getMessage() for record in caplog.records)

@@ -4,6 +4,7 @@ plain safetensors writer, then through safestage. Returns rows; the CLI prints t
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -22,6 +23,13 @@ class DemoRow:
     staged: str  # what the same save through safestage did
     plain_ok: bool
     staged_ok: bool
+    staged_loud: bool = False  # the staged save raised PublishError instead of losing data
+
+    @property
+    def verdict(self) -> str:
+        if self.staged_ok:
+            return "fixed" if not self.plain_ok or "0o600" in self.plain else "fine"
+        return "made loud" if self.staged_loud else "BROKEN"
 
 
 def _tensors() -> dict[str, Any]:
@@ -36,7 +44,7 @@ def _tensors() -> dict[str, Any]:
 
 
 def _short(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0]
+    text = str(exc).splitlines()[0].replace("Error while serializing: I/O error: ", "")
     return f"{type(exc).__name__}: {text[:110]}"
 
 
@@ -101,14 +109,15 @@ def run_demo(
             else:
                 plain_ok, described = _outcome(plain_dir, name, tensors)
                 plain = f"returned success: {described}"
+            loud = False
             try:
                 with safestage.staged(staging_root) as stage:
                     save_file(tensors, str(staged_dir / name))
             except safestage.PublishError as exc:
-                staged_ok = False
-                staged = f"PublishError [{exc.errno}], loud; complete copy kept at {exc.staged_path}"
+                staged_ok, loud = False, True
+                staged = f"raised PublishError ({errno.errorcode.get(exc.errno or 0, exc.errno)} at {exc.step}); complete copy kept in the staging root"
             else:
                 staged_ok, described = _outcome(staged_dir, name, tensors)
                 staged = f"{stage.records[0].strategy}: {described}"
-            rows.append(DemoRow(label, plain, staged, plain_ok, staged_ok))
+            rows.append(DemoRow(label, plain, staged, plain_ok, staged_ok, loud))
     return rows

@@ -1,0 +1,34 @@
+"""README's first command: the demo really fails plain saves and fixes them through safestage."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from safestage.testing._demo import run_demo
+
+
+def test_demo_rows_show_plain_failures_and_staged_successes():
+    rows = {row.destination.split()[0]: row for row in run_demo()}
+    assert "os error 38" in rows["hdfs"].plain and not rows["hdfs"].plain_ok
+    assert "os error 95" in rows["eopnotsupp"].plain
+    assert "os error 1" in rows["objectstore"].plain
+    assert rows["mountpoint"].staged == "direct: loads back equal, mode 0o644"
+    assert rows["close-eio"].plain == "returned success: file missing"  # silent data loss
+    assert rows["close-eio"].verdict == "made loud"
+    assert "mode 0o600" in rows["local"].plain
+    assert rows["local"].staged == "rename: loads back equal, mode 0o644"
+    assert [row.verdict for row in rows.values()].count("fixed") == 5
+
+
+def test_demo_command_exits_zero_and_prints_the_table(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    result = subprocess.run(
+        [sys.executable, "-m", "safestage", "demo"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "safetensors alone" in result.stdout and "through safestage" in result.stdout
+    verdicts = [line.split()[-1] for line in result.stdout.splitlines() if line.rstrip().endswith(("fixed", "loud"))]
+    assert verdicts == ["fixed"] * 4 + ["loud", "fixed"]
