@@ -14,7 +14,8 @@ import logging
 import os
 import sys
 import threading
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 from ._api import Stage
 from ._config import (

@@ -11,10 +11,12 @@ first error (every error is logged), and interpreter exit completes whatever is 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 if TYPE_CHECKING:  # concurrent.futures is imported on first background use, not at start-up
     from concurrent.futures import Future
@@ -48,7 +50,7 @@ class BackgroundPublisher:
         future.add_done_callback(self._done)
         return future
 
-    def _done(self, future: Future[object]) -> None:
+    def _done(self, future: Future[Any]) -> None:
         error = future.exception()
         if error is not None:
             log.error("background publish of %s failed: %s", self._pending.get(future), error)
@@ -103,7 +105,5 @@ def wait_all() -> None:
 def _complete_at_exit() -> None:
     # concurrent.futures runs every queued job before atexit callbacks run; this wait is a
     # backstop. Failures were logged at ERROR when they happened, so none is dropped silently.
-    try:
+    with contextlib.suppress(BaseException):
         wait_all()
-    except BaseException:
-        pass

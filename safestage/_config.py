@@ -7,9 +7,10 @@ habit pytest-timeout taught: a typo in a launcher script must be findable from t
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 from ._errors import ConfigError
 

@@ -93,16 +93,16 @@ def existing_ancestor(path: Path) -> Path:
     return path
 
 
-def mount_of(path: "os.PathLike[str] | str") -> Optional[MountInfo]:
+def mount_of(path: os.PathLike[str] | str) -> Optional[MountInfo]:
     """The mount holding ``path`` (or its nearest existing parent); None if unknown."""
     real = os.path.realpath(existing_ancestor(Path(path)))
     best: Optional[MountInfo] = None
     for mount in read_mounts():
         point = mount.mount_point.rstrip("/") or "/"
-        if real == point or real.startswith(point + "/") or point == "/":
-            # later lines win ties: a mount stacked on the same point hides the earlier one
-            if best is None or len(point) >= len(best.mount_point.rstrip("/") or "/"):
-                best = mount
+        holds = real == point or real.startswith(point + "/") or point == "/"
+        # later lines win ties: a mount stacked on the same point hides the earlier one
+        if holds and (best is None or len(point) >= len(best.mount_point.rstrip("/") or "/")):
+            best = mount
     return best
 
 

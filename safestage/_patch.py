@@ -19,8 +19,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from ._api import Stage
@@ -122,7 +123,7 @@ def _restore_all() -> None:
 
 def _wrapper_chain(candidate: object) -> list[object]:
     """``candidate`` and what it wraps, outermost first (bounded: wrappers can be cyclic)."""
-    chain = []
+    chain: list[object] = []
     while candidate is not None and len(chain) < 16:
         chain.append(candidate)
         candidate = getattr(candidate, "__wrapped__", None)

@@ -19,6 +19,7 @@ the created mode would differ from the wanted one, and its failure is ignored.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -160,10 +161,8 @@ def copy_to_new_file(
             step = "fsync"
             os.fsync(out_fd)
     except OSError as exc:
-        try:
+        with contextlib.suppress(OSError):  # the write/fsync error is the one to report
             os.close(out_fd)
-        except OSError:
-            pass  # the write/fsync error is the one to report
         raise _StepFailed(step, exc, target) from exc
     step = "close"
     try:

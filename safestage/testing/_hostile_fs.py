@@ -14,6 +14,7 @@ kernel, so a test that just saw the syscall fail can read the count.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -305,10 +306,8 @@ class HostileFS(Operations):  # type: ignore[misc]
             handles = list(self._handles.values())
             self._handles.clear()
         for handle in handles:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(handle.fd)
-            except OSError:
-                pass
 
     # -- metadata -------------------------------------------------------------------------
 

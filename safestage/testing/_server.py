@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Optional
 
 log = logging.getLogger("safestage.testing")
