@@ -52,7 +52,8 @@ def _configure_logging(environ: Mapping[str, str]) -> None:
     level_text = env_value(environ, ENV_LOG_LEVEL)
     if level_text is None:
         return
-    level = logging.getLevelName(level_text.upper()) if not level_text.isdigit() else int(level_text)
+    numeric = level_text.isascii() and level_text.isdigit() and len(level_text) <= 9
+    level = int(level_text) if numeric else logging.getLevelName(level_text.upper())
     if isinstance(level, int):
         log.setLevel(level)
     else:

@@ -103,11 +103,16 @@ def parse_when(value: object, source: str) -> str:
 
 
 def parse_count(value: object, source: str, option: str) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and _is_small_ascii_number(value.strip()):
         value = int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
         raise ConfigError(f"{option}={value!r} from {source} is not a whole number from 1 to 64")
     return value
+
+
+def _is_small_ascii_number(text: str) -> bool:
+    # Not str.isdigit(): it accepts "²" and 5000-digit strings, which int() then rejects.
+    return text.isascii() and text.isdigit() and len(text) <= 9
 
 
 def parse_root(value: object, source: str) -> Path:

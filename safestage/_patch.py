@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -214,6 +215,18 @@ def _destination(filename: Any) -> Optional[Path]:
     if not isinstance(text, str) or not text:
         return None
     dest = Path(os.path.abspath(text))
-    if not dest.parent.is_dir() or dest.is_dir():
+    if not _is_dir(dest.parent) or _is_dir(dest):
         return None
     return dest
+
+
+def _is_dir(path: Path) -> bool:
+    # Not Path.is_dir(): it raises on ESTALE, which a concurrent rename over ``path`` causes
+    # on NFS and path-based FUSE mounts. Unknown means "not a directory": staging goes on
+    # and the publish reports any real problem as a PublishError.
+    from ._publish import stat_retrying
+
+    try:
+        return stat.S_ISDIR(stat_retrying(path).st_mode)
+    except (OSError, ValueError):
+        return False

@@ -82,6 +82,18 @@ def current_umask() -> int:
 _umask_lock = threading.Lock()
 
 
+def stat_retrying(path: Path) -> os.stat_result:
+    """os.stat, retried on ESTALE: on NFS and path-based FUSE servers a concurrent rename
+    over ``path`` makes a stat fail transiently (the kernel retries only once)."""
+    for attempt in range(3):
+        try:
+            return os.stat(path)
+        except OSError as exc:
+            if exc.errno != errno.ESTALE or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def wanted_mode(dest: Path) -> tuple[int, Optional[os.stat_result]]:
     """(mode, previous stat or None): an existing file keeps its mode; a new one gets
     0o666 & ~umask.
@@ -90,7 +102,7 @@ def wanted_mode(dest: Path) -> tuple[int, Optional[os.stat_result]]:
     checkpoint folder get 0o666 & ~umask, so that is what a new file gets here.
     """
     try:
-        previous = os.stat(dest)
+        previous = stat_retrying(dest)
     except FileNotFoundError:
         return 0o666 & ~current_umask(), None
     return stat.S_IMODE(previous.st_mode), previous
@@ -219,10 +231,14 @@ def publish_file(
 ) -> Published:
     """Publish ``staged`` to ``dest``. On failure raise PublishError; ``staged`` is kept."""
     started = time.perf_counter()
-    mode, previous = wanted_mode(dest)
-    existed = previous is not None
     directory = dest.parent
-    dest_device = os.stat(directory).st_dev
+    try:
+        mode, previous = wanted_mode(dest)
+        dest_device = os.stat(directory).st_dev
+    except OSError as exc:  # the directory vanished, or went stale: still a PublishError
+        failed = _StepFailed("inspect", exc, directory)
+        raise _publish_error(failed, dest, staged, "inspect", existed=False) from exc
+    existed = previous is not None
     strategy = _choose(publish, dest_device, staging_device)
 
     if strategy == "rename":

@@ -211,6 +211,8 @@ def publish_staged(item: StagedFile, settings: Settings, area: StagingArea) -> P
     """
     publish_started = time.perf_counter()
     try:
+        if not item.path.exists():
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(item.path))
         published = publish_file(
             item.path,
             item.dest,
@@ -218,9 +220,11 @@ def publish_staged(item: StagedFile, settings: Settings, area: StagingArea) -> P
             fsync=settings.fsync,
             staging_device=area.device,
         )
-    except BaseException:
+    except BaseException as exc:
         if not item.path.exists():
             remove_tree(item.private)
+            if isinstance(exc, OSError) and not isinstance(exc, StagingError):
+                raise _staged_copy_vanished(item, area.root) from exc
         raise
     remove_tree(item.private)
     done = time.perf_counter()
@@ -237,6 +241,17 @@ def publish_staged(item: StagedFile, settings: Settings, area: StagingArea) -> P
         item.dest, record.bytes, record.serialize_seconds, record.strategy, record.publish_seconds,
     )
     return record
+
+
+def _staged_copy_vanished(item: StagedFile, root: Path) -> StagingError:
+    return StagingError(
+        errno.ENOENT,
+        f"safestage: the staged copy {item.path} vanished before it was published to "
+        f"{item.dest}: the staging root {root} was removed or cleaned during the save. "
+        f"{item.dest} was not replaced. Save again, with staged(root) or SAFESTAGE_DIR on a "
+        "directory that no tmp cleaner empties.",
+        str(root),
+    )
 
 
 def write_unstaged(write: Callable[[str], None], dest: Path, settings: Settings) -> PublishRecord:

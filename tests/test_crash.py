@@ -1,0 +1,564 @@
+"""Crash consistency: a saver SIGKILLed at random moments leaves the old file or the new one.
+
+Each trial: the destination holds an OLD complete file (other size, other content); a real
+interpreter process saves NEW tensors over it through safestage and is SIGKILLed at a random
+moment of that save. Then, from what is on disk only:
+
+- rename/replace destinations: the final name loads as the old tensors or the new ones, never
+  a torn file (the point of the sibling temp + os.replace that HDFS FUSE needs, safetensors#787);
+- ``direct`` (mountpoint-s3 cannot rename, safestage's answer to safetensors#792): old, new, or
+  a file safetensors *refuses* to load; never one that loads with wrong data;
+- every leftover beside the destination and in the staging root carries a safestage name
+  (``_names`` parses it) owned by the killed pid, and ``python -m safestage clean`` removes
+  exactly those of dead processes, keeping a staging directory only when it holds a complete
+  copy of the new data, and nothing else (a planted file survives).
+
+The phase each kill landed in is read from the leftovers (e.g. a partial temp file = killed
+during the copy) and counted, so the table shows the kills really spread over the save.
+
+Speed: one fork server (tests/crash_child.py, started with sys.executable) imports torch once
+and forks a saver per trial; the saver activates staging, reports ready, and starts the save
+on SIGUSR1, so the kill window covers the save only.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from safestage._names import _HOST, parse_stage_dir, parse_temp_name
+
+sys.path.insert(0, str(Path(__file__).parent))
+from crash_child import make_tensors
+
+CHILD = Path(__file__).with_name("crash_child.py")
+TRIALS = 52  # per destination: 208 in all
+BATCH = 13  # trials between two `safestage clean` runs (bounds disk use)
+CALIBRATION_RUNS = 3
+PLANTED = "notes-not-safestage.txt"
+NEAR_MISS = ".m000.safetensors.safestage-host-1-XYZ.tmp"  # safestage-like, but no hex token
+# Leftover-shaped entries whose owner (this test process) is alive: clean must keep them.
+LIVE_TEMP = f".m000.safetensors.safestage-{_HOST}-{os.getpid()}-0123abcd.tmp"
+LIVE_DIR = f"safestage-{_HOST}-{os.getpid()}-0123abcd"
+
+OUTCOMES = ("old", "new", "refused", "wrong", "missing")
+PHASES = (
+    "before-staging",
+    "serializing",
+    "staged",
+    "copying",
+    "copied-before-replace",
+    "published-cleanup",
+    "completed",
+)
+
+
+# -- the fork server ----------------------------------------------------------------------------
+
+
+class ForkServer:
+    """Drives tests/crash_child.py over pipes, with a timeout on every read."""
+
+    def __init__(self, log_path: Path) -> None:
+        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CHILD), str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            bufsize=0,
+            env={k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")},
+        )
+        self._buffer = b""
+        self.log_path = log_path
+        self.expect("server", timeout=120)
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AssertionError(
+                    f"fork server silent for {timeout} s; log:\n{self.log_path.read_text()}"
+                )
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"fork server exited; log:\n{self.log_path.read_text()}")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def expect(self, key: str, timeout: float = 60) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Read until a message carrying ``key``; return it and the messages before it."""
+        before = []
+        while True:
+            message = self.read(timeout)
+            if "error" in message:
+                raise AssertionError(f"saver failed: {message['error']}")
+            if key in message:
+                return message, before
+            before.append(message)
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.send({"op": "quit"})
+                self.proc.stdin.close()  # type: ignore[union-attr]
+                self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        finally:
+            self._log.close()
+
+
+@pytest.fixture(scope="module")
+def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    server = ForkServer(tmp_path_factory.mktemp("crash-log") / "server.log")
+    yield server
+    server.close()
+
+
+@dataclass
+class Result:
+    pid: int
+    done: Optional[dict[str, Any]]
+    signal: int
+
+
+def run_save(
+    server: ForkServer,
+    dest: Path,
+    root: Path,
+    publish: str,
+    numel: int,
+    seed: int,
+    delay: Optional[float],
+) -> Result:
+    """One saver process: save NEW over ``dest``; SIGKILL it ``delay`` s after the start."""
+    server.send(
+        {
+            "op": "trial",
+            "dest": str(dest),
+            "root": str(root),
+            "publish": publish,
+            "numel": numel,
+            "seed": seed,
+        }
+    )
+    ready, _ = server.expect("ready")
+    pid = int(ready["ready"])
+    os.kill(pid, signal.SIGUSR1)  # go: the save starts now
+    if delay is not None:
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)  # a zombie until reaped: never another process's pid
+    server.send({"op": "reap", "pid": pid})
+    reaped, before = server.expect("reaped", timeout=120)
+    done = next((m for m in before if m.get("done") == pid), None)
+    return Result(pid, done, int(reaped["signal"]))
+
+
+# -- destinations -------------------------------------------------------------------------------
+
+
+@dataclass
+class Destination:
+    name: str
+    directory: Path  # where the user saves (a mount path for kit modes)
+    backing: Path  # the same directory, bypassing the FUSE mount (to plant OLD files fast)
+    root: Path  # the staging root
+    publish: str
+    strategy: str  # what safestage must choose here
+    numel: int  # float32 elements of the NEW file's main tensor
+    atomic: bool  # rename/replace: torn files are never visible
+
+
+@dataclass
+class Tally:
+    outcomes: Counter = field(default_factory=Counter)
+    phases: Counter = field(default_factory=Counter)
+    kept_dirs: int = 0
+    cleaned: int = 0
+    timing: str = ""
+
+
+SUMMARY: dict[str, Tally] = {}
+
+
+def summary_table() -> str:
+    header = f"{'destination':<24}{'trials':>7}" + "".join(f"{o:>9}" for o in OUTCOMES)
+    lines = [header, "-" * len(header)]
+    for name, tally in SUMMARY.items():
+        total = sum(tally.outcomes.values())
+        lines.append(f"{name:<24}{total:>7}" + "".join(f"{tally.outcomes[o]:>9}" for o in OUTCOMES))
+    lines.append("")
+    header = f"{'kill landed in (from leftovers)':<32}" + "".join(f"{n[:22]:>24}" for n in SUMMARY)
+    lines += [header, "-" * len(header)]
+    for phase in PHASES:
+        lines.append(f"{phase:<32}" + "".join(f"{t.phases[phase]:>24}" for t in SUMMARY.values()))
+    lines.append("")
+    for name, tally in SUMMARY.items():
+        lines.append(
+            f"{name}: {tally.timing}; clean removed {tally.cleaned} leftovers, kept "
+            f"{tally.kept_dirs} staging dirs holding a complete copy"
+        )
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_summary() -> Iterator[None]:
+    yield
+    if SUMMARY:
+        print("\n\nCRASH CONSISTENCY SUMMARY\n" + summary_table())
+
+
+def _make_destination(kind: str, tmp_path: Path, kit_mounts: dict[str, Any]) -> Destination:
+    if kind == "disk-rename":
+        directory = tmp_path / "dest"
+        directory.mkdir()
+        root = tmp_path / "root"  # same filesystem: publish by rename
+        root.mkdir()
+        return Destination(kind, directory, directory, root, "auto", "rename", 6 << 20, True)
+    if kind == "shm-to-disk-replace":
+        directory = tmp_path / "dest"
+        directory.mkdir()
+        root = Path("/dev/shm") / f"safestage-crash-{uuid.uuid4().hex[:8]}"
+        root.mkdir()
+        return Destination(kind, directory, directory, root, "auto", "replace", 6 << 20, True)
+    mount = kit_mounts[kind.split("-")[0]]
+    name = f"crash-{uuid.uuid4().hex[:8]}"
+    directory = Path(mount.path) / name
+    directory.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    if kind == "hdfs-replace":
+        return Destination(
+            kind, directory, Path(mount.backing) / name, root, "auto", "replace", 4 << 20, True
+        )
+    assert kind == "mountpoint-direct"
+    return Destination(
+        kind, directory, Path(mount.backing) / name, root, "direct", "direct", 4 << 20, False
+    )
+
+
+# -- inspecting what a kill left ----------------------------------------------------------------
+
+
+def _old_numel(numel: int) -> int:
+    return numel // 2 + 1000  # another size: a half-overwritten file cannot pass as old
+
+
+def _equal(loaded: dict[str, torch.Tensor], expected: dict[str, Any]) -> bool:
+    return sorted(loaded) == sorted(expected) and all(
+        loaded[k].dtype == expected[k].dtype and torch.equal(loaded[k], expected[k])
+        for k in expected
+    )
+
+
+def _load_retrying(path: Path) -> dict[str, torch.Tensor]:
+    # mountpoint semantics: an object is unreadable (EPERM) until the FUSE release of its killed
+    # writer is processed, which the kernel sends asynchronously. Bounded wait, not a timing check.
+    for _ in range(200):
+        try:
+            return load_file(str(path))
+        except PermissionError:
+            time.sleep(0.01)
+        except SafetensorError as exc:
+            if f"(os error {errno.EPERM})" not in str(exc):
+                raise
+            time.sleep(0.01)
+    return load_file(str(path))
+
+
+def classify_destination(path: Path, old: dict[str, Any], new: dict[str, Any]) -> str:
+    if not os.path.lexists(path):
+        return "missing"
+    try:
+        loaded = _load_retrying(path)
+    except SafetensorError:
+        return "refused"  # safetensors saw the file is incomplete: not silently wrong data
+    if _equal(loaded, new):
+        return "new"
+    if _equal(loaded, old):
+        return "old"
+    return "wrong"
+
+
+@dataclass
+class Leftovers:
+    temps: list[tuple[str, int]]  # (name, size) beside the destination
+    stage_dirs: list[tuple[str, list[str]]]  # (name, its entries) in the staging root
+
+
+def leftovers_of(pid: int, dest: Destination, final: str) -> Leftovers:
+    """This saver's leftovers; asserts every unknown entry carries a safestage name."""
+    temps = []
+    for name in os.listdir(dest.directory):
+        if name in (PLANTED, NEAR_MISS, LIVE_TEMP) or (
+            name.endswith(".safetensors") and not name.startswith(".")
+        ):
+            continue  # the planted files, the final names
+        owner = parse_temp_name(name)
+        assert owner is not None, f"a leftover beside the destination safestage cannot name: {name}"
+        assert owner.is_this_host()
+        if owner.pid == pid:
+            assert name.startswith(f".{final}.safestage-"), f"temp {name} is not {final}'s"
+            temps.append((name, os.lstat(dest.directory / name).st_size))
+    stage_dirs = []
+    for name in os.listdir(dest.root):
+        owner = parse_stage_dir(name)
+        assert owner is not None or name == PLANTED, (
+            f"a staging-root leftover safestage cannot name: {name}"
+        )
+        if owner is not None and owner.pid == pid:
+            stage_dirs.append((name, sorted(os.listdir(dest.root / name))))
+    return Leftovers(temps, stage_dirs)
+
+
+def phase_of(outcome: str, left: Leftovers, final: str, new_size: int, completed: bool) -> str:
+    """Which part of the save the kill interrupted, read from what it left."""
+    if completed:
+        return "completed"
+    staged_complete = any(final in entries for _, entries in left.stage_dirs)
+    if outcome == "new":
+        return "published-cleanup"  # replaced; killed in the dir fsync or removing the stage dir
+    if left.temps:
+        ((_, size),) = left.temps
+        return "copied-before-replace" if size == new_size else "copying"
+    if outcome == "refused":
+        return "copying"  # direct: the final name is being rewritten
+    if staged_complete:
+        return "staged"  # serialized; killed in chmod/fsync before rename, or before the copy
+    if left.stage_dirs:
+        return "serializing"  # empty, or only safetensors' own hidden .tmpXXXXXX inside
+    return "before-staging"
+
+
+# -- `safestage clean` --------------------------------------------------------------------------
+
+
+def run_clean(directory: Path) -> dict[str, Any]:
+    completed = subprocess.run(
+        [sys.executable, "-m", "safestage", "clean", "--json", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")},
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    return json.loads(completed.stdout)
+
+
+def clean_and_check(
+    dest: Destination, seeds: dict[int, int], final_names: list[str], tally: Tally
+) -> None:
+    """Run the real CLI on the destination dir and the staging root, then check what is left."""
+    dest_report = run_clean(dest.directory)
+    root_report = run_clean(dest.root)
+    for entry in dest_report["entries"] + root_report["entries"]:
+        if entry["name"] in (LIVE_TEMP, LIVE_DIR):
+            assert entry["action"] == "kept", f"clean touched a live process's entry: {entry}"
+            continue
+        assert entry["pid"] in seeds, f"clean reported an entry no killed saver made: {entry}"
+        assert entry["action"] in ("removed", "kept"), entry
+        if entry["action"] == "kept":
+            # Only a staging dir holding a finished file, the complete copy of a save killed
+            # before its publish finished (checked below). Every other owner is dead.
+            assert entry["kind"] == "staging-dir", entry
+    tally.cleaned += dest_report["removed"] + root_report["removed"]
+    assert sorted(os.listdir(dest.directory)) == sorted(
+        [*final_names, PLANTED, NEAR_MISS, LIVE_TEMP]
+    ), "clean must remove every temp of a dead saver and nothing else"
+    assert (dest.directory / PLANTED).read_text() == "keep me"
+    for name in os.listdir(dest.root):
+        if name in (PLANTED, LIVE_DIR):
+            continue
+        entries = os.listdir(dest.root / name)
+        finished = [e for e in entries if not e.startswith(".")]
+        assert len(finished) == 1, f"clean kept {name} holding {entries}"
+        owner = parse_stage_dir(name)
+        assert owner is not None and owner.pid in seeds, name
+        new = make_tensors(dest.numel, seeds[owner.pid])
+        assert _equal(load_file(str(dest.root / name / finished[0])), new), (
+            "a kept copy must be complete"
+        )
+        tally.kept_dirs += 1
+        shutil.rmtree(dest.root / name)  # what the user does after copying it by hand
+
+
+# -- the test -----------------------------------------------------------------------------------
+
+
+class KillPlanner:
+    """Kill times spread over the whole save: the serialization, the publish (copy, fsync),
+    its last part (between fsync and replace, the directory fsync, cleanup), and anywhere.
+
+    Phase durations come from complete saves (calibration, and trials the kill came too late
+    for) and follow the machine's load. If after the planned trials a phase that has real
+    duration was never hit, a few extra kills aim at it, so the coverage check below does
+    not depend on how busy the machine is."""
+
+    def __init__(self, seed: str) -> None:
+        self.rng = random.Random(seed)
+        self.serialize: list[float] = []
+        self.publish: list[float] = []
+
+    def observe(self, done: dict[str, Any]) -> None:
+        self.serialize.append(done["serialize"])
+        self.publish.append(done["publish"])
+
+    def estimate(self) -> tuple[float, float]:
+        return statistics.median(self.serialize[-9:]), statistics.median(self.publish[-9:])
+
+    def planned(self, index: int) -> float:
+        s, p = self.estimate()
+        strata = [(0.0, s), (s, s + p), (s + 0.6 * p, (s + p) * 1.05), (0.0, (s + p) * 1.15)]
+        return self.rng.uniform(*strata[index % len(strata)])
+
+    def aimed_at(self, phase: str, attempt: int) -> float:
+        s, p = self.estimate()
+        stretch = 1.0 + 0.5 * attempt  # the first aims missed: the machine got slower
+        if phase == "serializing":
+            return self.rng.uniform(0.2 * s, s * stretch)
+        return self.rng.uniform(s * stretch, (s + p) * stretch)
+
+
+# What each strategy must show kills in: the serialization, and the publish's long part.
+REQUIRED_PHASES = {
+    "rename": ("serializing", "staged"),
+    "replace": ("serializing", "copying"),
+    "direct": ("serializing", "copying"),
+}
+EXTRA_TRIALS = 24
+
+
+def _plant_old(dest: Destination, final: str, numel: int, *, seed: int) -> dict[str, Any]:
+    old = make_tensors(_old_numel(numel), 1000 + seed)
+    save_file(old, str(dest.backing / final))  # through the backing dir: no kit fault on the way
+    return old
+
+
+@pytest.mark.parametrize(
+    "kind", ["disk-rename", "shm-to-disk-replace", "hdfs-replace", "mountpoint-direct"]
+)
+def test_sigkill_at_random_moments_leaves_old_or_new(kind, tmp_path, kit_mounts, fork_server):
+    dest = _make_destination(kind, tmp_path, kit_mounts)
+    try:
+        _crash_trials(dest, fork_server)
+    finally:
+        if dest.root.is_relative_to("/dev/shm"):
+            shutil.rmtree(dest.root, ignore_errors=True)
+        shutil.rmtree(dest.backing, ignore_errors=True)
+
+
+def _crash_trials(dest: Destination, server: ForkServer) -> None:
+    tally = SUMMARY.setdefault(dest.name, Tally())
+    planner = KillPlanner(f"safestage-crash-{dest.name}")
+    (dest.directory / PLANTED).write_text("keep me")
+    (dest.directory / NEAR_MISS).write_text("not ours either")
+    (dest.root / PLANTED).write_text("keep me")
+    (dest.directory / LIVE_TEMP).write_text("a live saver's temp")
+    (dest.root / LIVE_DIR).mkdir()
+
+    # Calibration: complete saves (no kill) give the phase durations.
+    for index in range(CALIBRATION_RUNS):
+        final = f"calibrate{index}.safetensors"
+        _plant_old(dest, final, dest.numel, seed=500 + index)
+        result = run_save(
+            server, dest.directory / final, dest.root, dest.publish, dest.numel, 500 + index, None
+        )
+        assert result.done is not None and result.done["strategy"] == dest.strategy, result
+        assert _equal(_load_retrying(dest.directory / final), make_tensors(dest.numel, 500 + index))
+        planner.observe(result.done)
+        (dest.backing / final).unlink()
+    s, p = planner.estimate()
+    tally.timing = f"a save takes ~{(s + p) * 1e3:.0f} ms (serialize {s * 1e3:.0f} ms, publish {p * 1e3:.0f} ms)"
+    probe = dest.root / "size-probe"
+    save_file(make_tensors(dest.numel, 0), str(probe))
+    new_size = os.stat(probe).st_size  # the same for every seed: only the values differ
+    probe.unlink()
+
+    required = REQUIRED_PHASES[dest.strategy]
+    log: list[str] = []
+    finals: list[str] = []
+    seeds: dict[int, int] = {}
+    for index in range(TRIALS + EXTRA_TRIALS):
+        if index < TRIALS:
+            delay = planner.planned(index)
+        else:
+            missing = [phase for phase in required if not tally.phases[phase]]
+            if not missing:
+                break
+            delay = planner.aimed_at(missing[0], index - TRIALS)
+        final = f"m{index:03d}.safetensors"
+        old = _plant_old(dest, final, dest.numel, seed=index)
+        new = make_tensors(dest.numel, index)
+        result = run_save(
+            server, dest.directory / final, dest.root, dest.publish, dest.numel, index, delay
+        )
+        completed = result.done is not None
+        assert completed or result.signal == signal.SIGKILL, result
+        seeds[result.pid] = index
+        if result.done is not None:
+            planner.observe(result.done)
+
+        outcome = classify_destination(dest.directory / final, old, new)
+        left = leftovers_of(result.pid, dest, final)
+        phase = phase_of(outcome, left, final, new_size, completed)
+        tally.outcomes[outcome] += 1
+        tally.phases[phase] += 1
+        log.append(f"trial {index}: kill at {delay * 1e3:.1f} ms -> {phase}, final name {outcome}")
+        context = f"{log[-1]}\n{summary_table()}"
+        allowed = {"old", "new"} if dest.atomic else {"old", "new", "refused"}
+        assert outcome in allowed, f"{dest.name}: the final name holds a {outcome} file; {context}"
+        if completed:
+            assert outcome == "new" and not left.temps and not left.stage_dirs, context
+        if left.temps:
+            assert outcome == "old", (
+                f"a temp file exists but the final name was replaced; {context}"
+            )
+        finals.append(final)
+        if len(finals) == BATCH:
+            _clean_batch(dest, seeds, finals, tally)
+            finals, seeds = [], {}
+    if finals:
+        _clean_batch(dest, seeds, finals, tally)
+
+    table = summary_table()
+    print(f"\n{dest.name}:\n{table}")
+    assert sum(tally.outcomes.values()) >= TRIALS, table
+    # The kills must really have spread over the save, or this test proves little.
+    for phase in required:
+        assert tally.phases[phase], f"no kill landed in {phase}:\n" + "\n".join(log) + f"\n{table}"
+
+
+def _clean_batch(dest: Destination, seeds: dict[int, int], finals: list[str], tally: Tally) -> None:
+    clean_and_check(dest, seeds, finals, tally)
+    for name in finals:
+        (dest.backing / name).unlink()
