@@ -1,0 +1,106 @@
+"""Each real client, saving a tiny model onto real hdfs and mountpoint kit mounts.
+
+- plain (no safestage): the save fails there, so the other two prove something;
+- inside ``safestage.staged()`` in this process;
+- as an unmodified script in a fresh interpreter with only SAFESTAGE_DIR set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _clients import CLIENTS
+from _helpers import (
+    PLAIN_ERROR,
+    STRATEGY,
+    assert_checkpoint,
+    clean_env,
+    exception_text,
+    fresh_dir,
+    run_client_script,
+    stray_files,
+)
+
+import safestage
+
+pytestmark = pytest.mark.integration
+
+MODES = ["hdfs", "mountpoint"]
+NAMES = list(CLIENTS)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", NAMES)
+def test_plain_save_fails(name, mode, kit_mounts, tmp_path):
+    client, mount = CLIENTS[name], kit_mounts[mode]
+    built = client.build(tmp_path)
+    dest = fresh_dir(mount, f"plain-{name}")
+    faults = sum(mount.faults().values())
+    with pytest.raises(Exception) as info:
+        client.save(built, dest)
+    assert PLAIN_ERROR[mode] in exception_text(info.value), exception_text(info.value)
+    assert sum(mount.faults().values()) > faults, "the kit's fault never fired"
+    assert not any(f.endswith(".safetensors") for f in os.listdir(dest))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", NAMES)
+def test_staged_in_process(name, mode, kit_mounts, shm_root, tmp_path):
+    client = CLIENTS[name]
+    built = client.build(tmp_path)
+    dest = fresh_dir(kit_mounts[mode], f"staged-{name}")
+    with safestage.staged(shm_root) as stage:
+        client.save(built, dest)
+    shards = assert_checkpoint(dest, client, client.reference(built))
+    assert sorted(r.destination for r in stage.records) == sorted(shards)
+    assert {r.strategy for r in stage.records} == {STRATEGY[mode]}
+    assert os.listdir(shm_root) == [], "the staging root must be left empty"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_staged_by_environment_only(name, kit_mounts, shm_root, tmp_path):
+    """One interpreter per client saves to both mounts: the import of a client costs seconds."""
+    client = CLIENTS[name]
+    destinations = {mode: fresh_dir(kit_mounts[mode], f"env-{name}") for mode in MODES}
+    reference = tmp_path / "reference.pt"
+    result = run_client_script(
+        name, reference, list(destinations.values()), clean_env(SAFESTAGE_DIR=str(shm_root)), tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    expected = torch.load(reference, weights_only=False)
+    for mode, dest in destinations.items():
+        assert not stray_files(dest), (mode, stray_files(dest))
+        assert_checkpoint(dest, client, expected)
+    assert os.listdir(shm_root) == [], "the staging root must be left empty"
+
+
+def test_megatron_state_loads_without_the_package_init():
+    from _clients import megatron_state_module
+
+    module = megatron_state_module()
+    assert hasattr(module.SafeTensorsStateSource, "save_generator")
+    # The package __init__ (AutoBridge -> megatron-core -> transformer-engine) never ran.
+    assert "megatron.bridge" not in sys.modules and "megatron" not in sys.modules
+    assert Path(module.__file__).parts[-4:] == ("bridge", "models", "hf_pretrained", "state.py")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_transformers_saves_again_over_its_checkpoint(mode, kit_mounts, shm_root, tmp_path):
+    """A second save_pretrained into the same folder: every shard, the index and config.json are
+    overwritten (mountpoint: only with O_TRUNC) and the stale shards are deleted by transformers."""
+    client = CLIENTS["transformers"]
+    model = client.build(tmp_path)
+    dest = fresh_dir(kit_mounts[mode], "resave")
+    with safestage.staged(shm_root):
+        client.save(model, dest)
+        first = sorted(os.listdir(dest))
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1)
+        model.save_pretrained(dest, max_shard_size="40KB")  # fewer, larger shards this time
+    shards = assert_checkpoint(dest, client, client.reference(model))
+    assert len(shards) < len([f for f in first if f.endswith(".safetensors")])
