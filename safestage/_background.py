@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 if TYPE_CHECKING:  # concurrent.futures is imported on first background use, not at start-up
     from concurrent.futures import Future
@@ -34,29 +34,40 @@ class BackgroundPublisher:
 
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="safestage-publish")
         self._condition = threading.Condition()
-        self._pending: dict[Future[object], Path] = {}
+        self._pending: dict[object, Path] = {}  # ticket -> destination, while publishing
         self._unobserved: list[Future[object]] = []
 
     def submit(self, job: Callable[[], T], dest: Path, *, max_pending: int) -> Future[T]:
         """Run ``job`` on a worker once fewer than ``max_pending`` files are publishing and
         no earlier publish of ``dest`` is pending. Blocks the caller until then."""
+        ticket = object()
+
+        def run() -> T:
+            # Log and release the slot inside the job, before its future completes: a done
+            # callback would run after wait() has already returned to the caller.
+            try:
+                return job()
+            except BaseException as exc:
+                log.error("background publish of %s failed: %s", dest, exc)
+                raise
+            finally:
+                with self._condition:
+                    del self._pending[ticket]
+                    self._condition.notify_all()
+
         with self._condition:
             self._condition.wait_for(
                 lambda: len(self._pending) < max_pending and dest not in self._pending.values()
             )
-            future: Future[T] = self._executor.submit(job)
-            self._pending[future] = dest  # type: ignore[index]
+            self._pending[ticket] = dest
+            try:
+                future: Future[T] = self._executor.submit(run)
+            except RuntimeError:  # interpreter shutting down: publish here and now instead
+                del self._pending[ticket]
+                future = _run_inline(job)
             self._unobserved.append(future)  # type: ignore[arg-type]
-        future.add_done_callback(self._done)
         return future
 
-    def _done(self, future: Future[Any]) -> None:
-        error = future.exception()
-        if error is not None:
-            log.error("background publish of %s failed: %s", self._pending.get(future), error)
-        with self._condition:
-            self._pending.pop(future, None)
-            self._condition.notify_all()
 
     def wait(self, futures: Optional[Iterable[Future[object]]] = None) -> None:
         """Wait for ``futures`` (default: every publish in the process); raise the first error.
@@ -107,3 +118,15 @@ def _complete_at_exit() -> None:
     # backstop. Failures were logged at ERROR when they happened, so none is dropped silently.
     with contextlib.suppress(BaseException):
         wait_all()
+
+
+def _run_inline(job: Callable[[], T]) -> Future[T]:
+    from concurrent.futures import Future
+
+    future: Future[T] = Future()
+    try:
+        future.set_result(job())
+    except BaseException as exc:
+        log.error("publish failed: %s", exc)
+        future.set_exception(exc)
+    return future
