@@ -48,6 +48,10 @@ NOT_SUPPORTED = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.
 
 STRATEGIES = ("rename", "replace", "direct")
 
+# The empty file `auto` renames once per device to learn whether the destination can rename;
+# a process killed during the probe leaves it as a safestage temp that `clean` removes.
+RENAME_PROBE = "safestage-rename-probe"
+
 
 @dataclass(frozen=True)
 class Published:
@@ -292,8 +296,8 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
     known = capabilities.strategy_for(device)
     if known is not None:
         return known != "direct"
-    source = directory / temp_name(".probe")
-    target = directory / temp_name(".probe")
+    source = directory / temp_name(RENAME_PROBE)
+    target = directory / temp_name(RENAME_PROBE)
     try:
         os.close(os.open(source, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
     except OSError as exc:

@@ -47,6 +47,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from safestage._names import _HOST, parse_stage_dir, parse_temp_name
+from safestage._publish import RENAME_PROBE
 
 sys.path.insert(0, str(Path(__file__).parent))
 from crash_child import make_tensors
@@ -327,6 +328,8 @@ def leftovers_of(pid: int, dest: Destination, final: str) -> Leftovers:
         owner = parse_temp_name(name)
         assert owner is not None, f"a leftover beside the destination safestage cannot name: {name}"
         assert owner.is_this_host()
+        if owner.pid == pid and name.startswith(f".{RENAME_PROBE}."):
+            continue  # killed during auto's one-off empty-file rename probe: also clean's to remove
         if owner.pid == pid:
             assert name.startswith(f".{final}.safestage-"), f"temp {name} is not {final}'s"
             temps.append((name, os.lstat(dest.directory / name).st_size))
