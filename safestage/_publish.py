@@ -46,8 +46,6 @@ CHUNK_BYTES = 4 << 20
 # only be EXDEV when the filesystem does not implement rename (gcsfuse, some 9p servers).
 NOT_SUPPORTED = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM, errno.EXDEV})
 
-STRATEGIES = ("rename", "replace", "direct")
-
 # The empty file `auto` renames once per device to learn whether the destination can rename;
 # a process killed during the probe leaves it as a safestage temp that `clean` removes.
 RENAME_PROBE = "safestage-rename-probe"
@@ -255,7 +253,7 @@ def publish_file(
             # A bind mount of the same filesystem still answers EXDEV: copy instead.
             if failed.error.errno != errno.EXDEV:
                 raise _publish_error(failed, dest, staged, "rename", existed=existed) from failed.error
-            strategy = "replace" if publish != "direct" else "direct"
+            strategy = "replace"  # publish="direct" never chooses rename
         else:
             if fsync:
                 fsync_directory(directory)
