@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -18,14 +19,15 @@ if TYPE_CHECKING:
 
 from . import _background, _config, _patch
 from ._config import UNSET, PathArg, Settings
-from ._errors import PublishError, StagingError
+from ._errors import PublishError, StagingError, as_safetensors_error
 from ._mounts import is_local_disk
+from ._names import staged_name
+from ._paths import absolute, resolve_destination
 from ._stage import (
     PublishRecord,
     StagedFile,
     StagingArea,
     publish_staged,
-    remove_tree,
     write_staged,
     write_unstaged,
 )
@@ -38,7 +40,13 @@ class Stage(contextlib.ContextDecorator):
 
     While any Stage is open, every ``safetensors`` save in the process (all threads) is staged.
     A save uses the innermost Stage its own thread opened, else the innermost one open in
-    the process; that Stage's settings apply and it receives the record.
+    the process; that Stage's settings apply and it receives the record. Closing a Stage
+    waits for every save it accepted, in any thread.
+
+    After ``fork()`` a child inherits open Stages but none of the parent's publishes, and
+    its saves publish before they return even with ``background=True``: a forked worker
+    (multiprocessing's fork start method) may end with ``os._exit`` or be terminated as soon
+    as its task returns, and nothing may be pending then.
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -48,7 +56,10 @@ class Stage(contextlib.ContextDecorator):
         self._area: Optional[StagingArea] = None
         self._state = "new"  # new -> open -> closed
         self._opened_by: Optional[int] = None  # thread ident: its saves prefer this stage
+        self._pid = os.getpid()  # background publishing only in the process that opened it
         self._futures: list[Future[PublishRecord]] = []  # background publishes of this stage
+        self._idle = threading.Condition()  # saves in progress, by thread: close() waits
+        self._saving: Counter[int] = Counter()
 
     @property
     def staging_root(self) -> Path:
@@ -70,12 +81,36 @@ class Stage(contextlib.ContextDecorator):
         return self
 
     def close(self) -> None:
-        """End this activation (idempotent) and wait for its background publishes, raising
-        the first error. The original serialize_file returns when the last activation ends."""
+        """End this activation (idempotent): wait for the saves it accepted (other threads'
+        too) and its background publishes, raising the first error. The original
+        serialize_file returns when the last activation ends."""
         if self._state == "open":
             self._state = "closed"
-            _patch.remove(self)
+            _patch.remove(self)  # from here on no save can pick this stage
+        me = threading.get_ident()
+        with self._idle:  # a save of this very thread (a writer closing its stage) is not waited for
+            self._idle.wait_for(lambda: sum(self._saving.values()) == self._saving[me])
         self.wait()
+
+    def _begin_save(self) -> None:
+        """Called under the activation lock with the stage chosen for a save (_patch)."""
+        with self._idle:
+            self._saving[threading.get_ident()] += 1
+
+    def _end_save(self) -> None:
+        with self._idle:
+            me = threading.get_ident()
+            self._saving[me] -= 1
+            if self._saving[me] <= 0:
+                del self._saving[me]
+            self._idle.notify_all()
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's threads, publishes and lock holders do not exist here.
+        self._futures = []
+        self._idle = threading.Condition()
+        self._saving = Counter()
+        self._records_lock = threading.Lock()
 
     def wait(self) -> None:
         """Wait for this stage's background publishes; raise the first error (all are logged)."""
@@ -111,7 +146,7 @@ class Stage(contextlib.ContextDecorator):
             self._record(write_unstaged(serialize, dest, self.settings))
             return
         item = write_staged(serialize, dest, area)
-        if not self.settings.background:
+        if not (self.settings.background and os.getpid() == self._pid):
             self._publish(item, area)
             return
         future = _background.publisher().submit(
@@ -120,7 +155,11 @@ class Stage(contextlib.ContextDecorator):
         self._futures.append(future)
 
     def _publish(self, item: StagedFile, area: StagingArea) -> PublishRecord:
-        record = publish_staged(item, self.settings, area)
+        try:
+            record = publish_staged(item, self.settings, area)
+        except (PublishError, StagingError) as exc:
+            as_safetensors_error(exc)  # callers catch SafetensorError today (issue 9)
+            raise
         self._record(record)
         return record
 
@@ -205,41 +244,55 @@ def staged_file(
     published and the local file is removed.
     """
     settings = _config.resolve(root=root, publish=publish, fsync=fsync)
-    target = Path(os.path.abspath(os.fspath(dest)))
-    _check_destination(target)
+    target = _checked_destination(dest)
     area = StagingArea(settings.staging_root(), is_default=settings.root is None)
     started = time.perf_counter()
+    item = None
     private = area.new_private_dir()
-    local = private / target.name
     try:
-        yield local
-    except BaseException:
-        remove_tree(private)
-        raise
-    if not local.is_file():
-        remove_tree(private)
-        raise StagingError(
-            errno.ENOENT,
-            f"safestage.staged_file: nothing was written to {local}, so nothing was published to {target}.",
-            str(local),
-        )
-    item = StagedFile(private, local, target, started, time.perf_counter() - started)
+        local = private / staged_name(target.name)
+        try:
+            yield local
+        except BaseException:
+            private.remove()
+            raise
+        if not local.is_file():
+            private.remove()
+            raise StagingError(
+                errno.ENOENT,
+                f"safestage.staged_file: nothing was written to {local}, so nothing was published to {target}.",
+                str(local),
+            )
+        item = StagedFile(private, local, target, started, time.perf_counter() - started)
+    finally:
+        if item is None:
+            private.release()
     publish_staged(item, settings, area)
 
 
-def _check_destination(target: Path) -> None:
-    if not target.parent.is_dir():
-        raise PublishError(
-            errno.ENOENT,
-            f"safestage: the directory of {target} does not exist: create it before saving.",
-            str(target),
-        )
-    if target.is_dir():
+def _checked_destination(dest: PathArg) -> Path:
+    """The kernel's path of ``dest`` (see _paths), or the error a plain open would give."""
+    text = os.fspath(dest)
+    target = resolve_destination(text)
+    if target is not None:
+        return target
+    shown = absolute(text)
+    if text.endswith("/") or os.path.basename(text) in ("", ".", ".."):
         raise PublishError(
             errno.EISDIR,
-            f"safestage: {target} is a directory: name a file inside it.",
-            str(target),
+            f"safestage: {text!r} names a directory (trailing slash, '.' or '..'): name a file.",
+            str(shown),
         )
+    if os.path.isdir(text):
+        raise PublishError(
+            errno.EISDIR, f"safestage: {shown} is a directory: name a file inside it.", str(shown)
+        )
+    raise PublishError(
+        errno.ENOENT,
+        f"safestage: the directory of {shown} does not exist (or is not a directory): create it "
+        "before saving.",
+        str(shown),
+    )
 
 
 def is_active() -> bool:

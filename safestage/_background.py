@@ -6,6 +6,14 @@ Bounded: at most ``max_pending`` files publish at once and the saving thread wai
 slot, so the staging root holds at most max_pending + 1 files of the run at any time.
 Publishes of the same destination run in order. Nothing is dropped: waiting raises the
 first error (every error is logged), and interpreter exit completes whatever is pending.
+
+A publish that fails with nobody left to raise it to (the program exits without closing
+its stage) is written to stderr whatever the logging setup, and the process exits with
+status 1 (``os._exit`` after flushing logging and the standard streams): a program that
+lost a checkpoint must not look successful.
+
+The publisher belongs to one process: a child made by ``fork()`` starts without it (its
+threads, pending map and futures are the parent's) and makes a fresh one if it needs one.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
+import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,6 +42,7 @@ class BackgroundPublisher:
     def __init__(self, workers: int = 8) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
+        self.pid = os.getpid()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="safestage-publish")
         self._condition = threading.Condition()
         self._pending: dict[object, Path] = {}  # ticket -> destination, while publishing
@@ -93,6 +104,12 @@ class BackgroundPublisher:
         with self._condition:
             return len(self._pending)
 
+    def unobserved_failures(self) -> list[BaseException]:
+        """Wait for every publish nobody waited for; return their errors (now observed)."""
+        with self._condition:
+            chosen, self._unobserved = list(self._unobserved), []
+        return [error for error in (future.exception() for future in chosen) if error is not None]
+
 
 _publisher: Optional[BackgroundPublisher] = None
 _publisher_lock = threading.Lock()
@@ -103,7 +120,7 @@ def publisher() -> BackgroundPublisher:
     with _publisher_lock:
         if _publisher is None:
             _publisher = BackgroundPublisher()
-            atexit.register(_complete_at_exit)
+            _finalize_in_multiprocessing_child()
         return _publisher
 
 
@@ -114,10 +131,59 @@ def wait_all() -> None:
 
 
 def _complete_at_exit() -> None:
-    # concurrent.futures runs every queued job before atexit callbacks run; this wait is a
-    # backstop. Failures were logged at ERROR when they happened, so none is dropped silently.
-    with contextlib.suppress(BaseException):
-        wait_all()
+    """Registered when safestage is imported, so that it runs after the handlers registered
+    later (atexit is last-in, first-out) and only those registered earlier can be skipped
+    by the exit below. concurrent.futures has already run every queued publish by now."""
+    current = _publisher
+    if current is None or current.pid != os.getpid():
+        return
+    try:
+        failures = current.unobserved_failures()
+    except BaseException:
+        return
+    if failures:
+        _exit_loudly(failures)
+
+
+def _exit_loudly(failures: list[BaseException]) -> None:
+    lines = [
+        f"safestage: a background publish failed and nobody waited for it; the file is NOT "
+        f"at its destination: {error}\n"
+        for error in failures
+    ]
+    stream = sys.__stderr__ or sys.stderr
+    with contextlib.suppress(Exception):
+        for line in lines:
+            stream.write(line)
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    for each in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            if each is not None:
+                each.flush()
+    os._exit(1)
+
+
+def _finalize_in_multiprocessing_child() -> None:
+    # A multiprocessing child ends with os._exit after its own finalizers: atexit never runs
+    # there, so the exit check is registered with multiprocessing too.
+    multiprocessing = sys.modules.get("multiprocessing")
+    if multiprocessing is None or multiprocessing.parent_process() is None:
+        return
+    from multiprocessing import util
+
+    util.Finalize(None, _complete_at_exit, exitpriority=100)
+
+
+def _after_fork_in_child() -> None:
+    global _publisher, _publisher_lock
+    _publisher = None  # the parent's pool threads and futures do not exist here
+    _publisher_lock = threading.Lock()
+
+
+atexit.register(_complete_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _run_inline(job: Callable[[], T]) -> Future[T]:

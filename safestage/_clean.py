@@ -7,11 +7,19 @@ root holds the per-save directories (``safestage-<host>-<pid>-<token>``). Nothin
 ever touched: a name must match those patterns exactly (see _names), and have the file type
 safestage creates (a regular file, a directory; never a symlink).
 
-An entry is removed when its owner is gone: on this host, ``kill(pid, 0)`` finds no such
-process; on another host liveness cannot be checked, so it is removed only with
-``older_than`` and an mtime older than that. A staging directory that still holds a
-finished file is kept whatever its owner: a failed publish keeps the only complete copy
-there (its PublishError says so), and a crash during publishing leaves one too.
+An entry is removed only when its owner is gone. A live owner holds a flock on its entry
+(``_locks``), which is seen across PID namespaces, so an entry that cannot be locked is
+kept. A staging root is local, so its lock is the whole answer; beside a destination the
+lock counts only for entries made on this host (another host's kernel keeps its own locks),
+and where the filesystem has no locks, liveness cannot be checked: another host's entries,
+and this host's on such filesystems, are removed only with ``older_than`` and an mtime
+older than that. A pid of this host that is still running also keeps an entry (it may be
+a pid reused by another process: that only delays the cleanup).
+
+A staging directory that holds anything but safetensors' own torn temp (``.tmpXXXXXX``)
+is never removed, whatever its owner: a failed or interrupted publish keeps the only
+complete copy there (its PublishError says so), and so does a crash while publishing.
+Only the user, naming it, deletes a kept copy.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ._names import Owner, parse_doctor_dir, parse_stage_dir, parse_temp_name
+from ._locks import taken
+from ._names import Owner, is_writer_temp, parse_doctor_dir, parse_stage_dir, parse_temp_name
 
 # What each kind of leftover is, and the file type safestage creates for it.
 KINDS = {
@@ -101,48 +110,60 @@ def _handle(
             "kept",
             f"not a {'regular file' if kind == 'temp' else 'directory'}: safestage did not make it",
         )
-    gone, reason = _owner_gone(owner, info.st_mtime, older_than, now)
-    if not gone:
-        return entry("kept", reason)
-    if kind == "staging-dir":
-        finished = _finished_file(path)
-        if finished is not None:
-            return entry(
-                "kept",
-                f"{reason}, but it holds {finished}, possibly the only complete copy of a save "
-                "whose publish did not finish: copy it to its destination, then delete it by hand",
-            )
-    if dry_run:
-        return entry("would-remove", reason)
-    error = _remove(path, kind)
+    with taken(path, directory=kind != "temp") as locked:
+        gone, reason = _owner_gone(kind, owner, locked, info.st_mtime, older_than, now)
+        if not gone:
+            return entry("kept", reason)
+        if kind == "staging-dir":
+            content = _kept_content(path)
+            if content is not None:
+                return entry(
+                    "kept",
+                    f"{reason}, but it holds {content!r}, possibly the only complete copy of a "
+                    "save whose publish did not finish: copy it to its destination, then "
+                    "delete the directory by hand",
+                )
+        if dry_run:
+            return entry("would-remove", reason)
+        error = _remove(path, kind)  # still under our lock: no owner can claim it meanwhile
     if error is not None:
         return entry("failed", f"{reason}; removing it failed: {error}")
     return entry("removed", reason)
 
 
 def _owner_gone(
-    owner: Owner, mtime: float, older_than: Optional[float], now: float
+    kind: str,
+    owner: Owner,
+    locked: Optional[bool],
+    mtime: float,
+    older_than: Optional[float],
+    now: float,
 ) -> tuple[bool, str]:
-    """(gone?, why)."""
-    if owner.is_this_host():
-        if _process_alive(owner.pid):
-            return False, f"its owner, pid {owner.pid}, is running"
-        return True, f"its owner, pid {owner.pid}, is gone"
+    """(gone?, why). ``locked``: True we hold the entry's lock, False a live owner holds
+    it, None the lock cannot tell."""
+    if locked is False:
+        return False, "in use: its owner holds its lock (it may run in another PID namespace)"
+    this_host = owner.is_this_host()
+    if this_host and _process_alive(owner.pid):
+        return False, f"its owner, pid {owner.pid}, is running"
+    # A staging root is a local filesystem: its locks are kernel-wide, whatever the host name.
+    if locked and (this_host or kind == "staging-dir"):
+        return True, (
+            f"its owner, pid {owner.pid}, is gone (nobody holds its lock)"
+            if this_host
+            else f"made on host {owner.host}; nobody holds its lock"
+        )
+    why = (
+        f"made on host {owner.host}: pid {owner.pid} cannot be checked from here"
+        if not this_host
+        else "this filesystem cannot tell whether its owner lives (no locks)"
+    )
     age = now - mtime
     if older_than is None:
-        return False, (
-            f"made on host {owner.host}: pid {owner.pid} cannot be checked from here "
-            "(pass --older-than SECONDS to remove old ones)"
-        )
+        return False, f"{why} (pass --older-than SECONDS to remove old ones)"
     if age <= older_than:
-        return (
-            False,
-            f"made on host {owner.host}, modified {age:.0f} s ago (not older than {older_than:g} s)",
-        )
-    return (
-        True,
-        f"made on host {owner.host}, untouched for {age:.0f} s (older than {older_than:g} s)",
-    )
+        return False, f"{why}; modified {age:.0f} s ago (not older than {older_than:g} s)"
+    return True, f"{why}; untouched for {age:.0f} s (older than {older_than:g} s)"
 
 
 def _process_alive(pid: int) -> bool:
@@ -159,21 +180,15 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _finished_file(directory: Path) -> Optional[str]:
-    """A file in a private staging directory that may be a finished save.
-
-    safetensors 0.8 writes a hidden ``.tmpXXXXXX`` and renames it to the final name when it
-    is complete, so hidden files are torn writes; any other file may be the complete staged
-    copy (and for other writers it cannot be told apart from a torn one), so it is kept.
-    """
+def _kept_content(directory: Path) -> Optional[str]:
+    """The first entry of a private staging directory that may be a complete copy, or None
+    if it holds nothing but safetensors' own torn temp files (``.tmpXXXXXX``, which 0.8
+    renames to the final name once complete; safestage never stages under such a name)."""
     try:
-        children = sorted(directory.iterdir())
+        names = sorted(os.listdir(directory))
     except OSError:
-        return "files it cannot list"  # do not guess
-    for child in children:
-        if not child.name.startswith(".") and not child.is_symlink() and child.is_file():
-            return child.name
-    return None
+        return "entries it cannot list"  # do not guess
+    return next((name for name in names if not is_writer_temp(name)), None)
 
 
 def _remove(path: Path, kind: str) -> Optional[str]:

@@ -46,6 +46,7 @@ from ._config import (
 from ._errors import ConfigError
 
 if TYPE_CHECKING:
+    from ._config import Settings
     from ._doctor import Report, SaveReport, StagingReport
 
 HOOK_FILES = ("safestage.pth", "safestage.start")  # .pth up to Python 3.14, .start (PEP 829) after
@@ -319,9 +320,12 @@ def _run(args: argparse.Namespace) -> int:
         os.environ, root=args.dir, publish=args.publish, fsync=not args.no_fsync
     )
     try:
-        resolve(environ=env)  # what the child would fail on, said once, before it starts
+        settings = resolve(environ=env)  # what the child would fail on, said once, before it starts
     except ConfigError as exc:
         return _usage_error("run", str(exc))
+    problem = _root_problem(settings)
+    if problem is not None:
+        return _usage_error("run", problem)
     if not _hook_files():
         print(
             "safestage run: warning: the start-up hook (safestage.pth) is not installed in "
@@ -425,7 +429,7 @@ def status_report(environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]
     }
     report["hook"]["installed"] = bool(report["hook"]["files"])
     try:
-        report["would_activate"] = switched_on(env)
+        switched = switched_on(env)
         settings = resolve(environ=env)
     except ConfigError as exc:
         report["error"] = str(exc)
@@ -435,7 +439,22 @@ def status_report(environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]
         "root": str(settings.staging_root()),
         "root_source": ENV_DIR if env_value(env, ENV_DIR) is not None else "default",
     }
+    # An unusable root makes the start-up hook warn and leave saves unstaged: say so here.
+    report["error"] = _root_problem(settings) if switched else None
+    report["would_activate"] = switched and report["error"] is None
     return report
+
+
+def _root_problem(settings: Settings) -> Optional[str]:
+    """Why activation with ``settings`` would fail on its staging root, or None."""
+    from ._errors import StagingError
+    from ._stage import check_root
+
+    try:
+        check_root(settings.staging_root(), is_default=settings.root is None)
+    except StagingError as exc:
+        return str(exc)
+    return None
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -477,6 +496,8 @@ def _settings_text(settings: Optional[Mapping[str, Any]]) -> str:
 
 
 def _activation_text(report: Mapping[str, Any]) -> str:
+    if report["error"] and report["settings"] is not None:
+        return "no: the staging root is unusable (error below); saves would run unstaged"
     if report["error"]:
         return "unknown (configuration error below)"
     if not report["would_activate"]:

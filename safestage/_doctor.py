@@ -29,7 +29,9 @@ Stable keys (schema 1)::
     cleanup         {removed, error}: whether the probe directory (and any staged copy a
                     failed publish kept) is gone
     verdict         "plain-ok" | "needs-staging" | "unsafe" (even a staged save fails or loses
-                    data) | "unknown" (no probe directory could be made)
+                    data) | "staging-unusable" (a plain save fails and the staging root is
+                    unusable, so no staged save could be tried) | "unknown" (no probe
+                    directory could be made)
     problems        [text]: empty exactly when the exit status is 0
     recommendation  {env: {VAR: value}, text}
 """
@@ -486,6 +488,8 @@ def _conclude(report: Report) -> None:
         report.verdict = "plain-ok"
     elif staged.result == "ok":
         report.verdict = "needs-staging"
+    elif not report.staging.usable:
+        report.verdict = "staging-unusable"  # not "unsafe": the staged save never ran
     else:
         report.verdict = "unsafe"
     report.recommendation = _recommend(report)

@@ -65,3 +65,16 @@ class PublishError(_PathError):
         super().__init__(errno, message, filename)
         self.staged_path = staged_path
         self.step = step
+
+
+def as_safetensors_error(exc: BaseException) -> BaseException:
+    """Make ``exc``, raised inside a patched save, also a ``safetensors.SafetensorError``
+    (in place: its traceback and chain stay as they are). Anything else is returned as is."""
+    if type(exc) not in (PublishError, StagingError):
+        return exc
+    try:
+        from ._safetensors_errors import BY_BASE
+    except ImportError:  # a safetensors without SafetensorError at the top: nothing to add
+        return exc
+    exc.__class__ = BY_BASE[type(exc)]
+    return exc

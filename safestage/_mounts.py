@@ -1,9 +1,11 @@
 """Which filesystem a path is on, and what each destination device has shown it can do.
 
 The mount table is read from /proc/self/mountinfo (longest mount point that prefixes the
-real path, as findmnt does). Verdicts learnt while publishing ("this device cannot rename")
-are cached per st_dev for the life of the process, so the first failed rename costs one
-fallback and every later save goes straight to the strategy that works.
+real path, as findmnt does). Verdicts of auto's rename probe ("this filesystem cannot
+rename") are cached for the life of the process, so only the first save to a filesystem
+probes. The key is the device *and* the mount (its id, type, source and mount point):
+FUSE device numbers are reused as soon as a mount goes away (three mounts in a row all got
+0:40 here), and one mount's verdict must not outlive it onto another filesystem.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -38,6 +41,7 @@ class MountInfo:
     fs_type: str
     source: str
     options: str
+    mount_id: int = -1
 
     @property
     def is_fuse(self) -> bool:
@@ -80,6 +84,7 @@ def read_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[MountInfo]:
                 fs_type=tail[0],
                 source=_unescape(tail[1]),
                 options=fields[5],
+                mount_id=int(fields[0]) if fields[0].isdigit() else -1,
             )
         )
     return mounts
@@ -123,18 +128,26 @@ def is_local_disk(directory: Path) -> bool:
     return known
 
 
+def filesystem_key(directory: Path, device: int) -> Hashable:
+    """What a capability verdict about ``directory``'s filesystem is cached under."""
+    mount = mount_of(directory)
+    if mount is None:
+        return (device,)
+    return (device, mount.mount_id, mount.fs_type, mount.source, mount.mount_point)
+
+
 class CapabilityCache:
-    """Per-device verdicts learnt while publishing, e.g. {st_dev: "direct"}."""
+    """Per-filesystem verdicts of the rename probe, e.g. {filesystem_key(...): "direct"}."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._strategy: dict[int, str] = {}
+        self._strategy: dict[Hashable, str] = {}
 
-    def strategy_for(self, device: int) -> Optional[str]:
+    def strategy_for(self, device: Hashable) -> Optional[str]:
         with self._lock:
             return self._strategy.get(device)
 
-    def remember(self, device: int, strategy: str) -> bool:
+    def remember(self, device: Hashable, strategy: str) -> bool:
         """Record a verdict; True if it is news (so the caller warns once per device)."""
         with self._lock:
             news = self._strategy.get(device) != strategy

@@ -1,7 +1,12 @@
 """The names safestage gives its temporary files and staging directories.
 
-One place, so that `safestage clean` can recognise exactly these (and nothing else) and
-tell whether the process that made them is gone: every name carries host and pid.
+One place, so that `safestage clean` can recognise exactly these (and nothing else). Every
+name carries the host and pid of its maker for humans and for cleaners on other hosts; on
+this host liveness is decided by a lock the owner holds (``_locks``), because a pid means
+nothing across PID namespaces.
+
+Patterns end in ``\\Z`` and match newlines (``re.DOTALL``): a destination name may contain
+a newline, and ``$`` would also accept a look-alike with a trailing newline.
 """
 
 from __future__ import annotations
@@ -12,16 +17,40 @@ from dataclasses import dataclass
 from typing import Optional
 
 _MAX_NAME = 255  # NAME_MAX on Linux filesystems, HDFS and S3 keys alike
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", os.uname().nodename)[:32] or "host"
 
+
+def host_identity(nodename: str) -> str:
+    """An unambiguous, filename-safe identity of the host called ``nodename``.
+
+    A host name made of letters, digits and '-' (what RFC 1123 and Kubernetes pod names
+    allow, at most 64 characters on Linux) is used whole: two pods whose names share a long
+    prefix stay two hosts. Anything else is cut to a readable part plus a digest of the whole
+    name after '_', a character the whole names never contain, so the two kinds never collide.
+    """
+    if re.fullmatch(r"[A-Za-z0-9-]{1,64}", nodename):
+        return nodename
+    import hashlib
+
+    readable = re.sub(r"[^A-Za-z0-9-]", "-", nodename)[:40] or "host"
+    return f"{readable}_{hashlib.sha256(os.fsencode(nodename)).hexdigest()[:12]}"
+
+
+HOST = host_identity(os.uname().nodename)
+_HOST = HOST  # the name the tests use
+
+_OWNER = r"(?P<host>[A-Za-z0-9_-]+)-(?P<pid>\d+)-[0-9a-f]{8}"
 # .<final name>.safestage-<host>-<pid>-<token>.tmp beside the destination
-_TEMP_RE = re.compile(r"^\..*\.safestage-(?P<host>[A-Za-z0-9_-]+)-(?P<pid>\d+)-[0-9a-f]{8}\.tmp$")
+_TEMP_RE = re.compile(rf"\..*\.safestage-{_OWNER}\.tmp\Z", re.DOTALL)
 # safestage-<host>-<pid>-<token> directories under the staging root
-_STAGE_RE = re.compile(r"^safestage-(?P<host>[A-Za-z0-9_-]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+_STAGE_RE = re.compile(rf"safestage-{_OWNER}\Z")
 # .safestage-doctor-<host>-<pid>-<token> probe directories `safestage doctor` makes in the
 # path it checks: a name of their own, because unlike a staging directory (which may hold
 # the only complete copy after a failed publish) a probe directory is always disposable.
-_DOCTOR_RE = re.compile(r"^\.safestage-doctor-(?P<host>[A-Za-z0-9_-]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+_DOCTOR_RE = re.compile(rf"\.safestage-doctor-{_OWNER}\Z")
+# The temp file safetensors 0.8 writes beside its target before renaming it (Rust's tempfile
+# crate: ".tmp" and six letters or digits). In a private staging directory this, and only
+# this, is a torn write; every other file may be the only complete copy of a save.
+_WRITER_TEMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}\Z")
 
 
 @dataclass(frozen=True)
@@ -30,19 +59,18 @@ class Owner:
     pid: int
 
     def is_this_host(self) -> bool:
-        return self.host == _HOST
+        return self.host == HOST
 
 
 def _tag() -> str:
-    return f"safestage-{_HOST}-{os.getpid()}-{os.urandom(4).hex()}"
+    return f"safestage-{HOST}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def temp_name(final_name: str) -> str:
     """A hidden sibling name for ``final_name``, unique per call, at most 255 bytes."""
     suffix = f".{_tag()}.tmp"
     budget = _MAX_NAME - len(suffix.encode()) - 1
-    stem = os.fsencode(final_name)[:budget].decode(errors="ignore")
-    return f".{stem}{suffix}"
+    return f".{os.fsdecode(os.fsencode(final_name)[:budget])}{suffix}"
 
 
 def stage_dir_name() -> str:
@@ -52,7 +80,18 @@ def stage_dir_name() -> str:
 
 def doctor_dir_name() -> str:
     """A fresh name for a `safestage doctor` probe directory (hidden, made with mkdir, 0700)."""
-    return f".safestage-doctor-{_HOST}-{os.getpid()}-{os.urandom(4).hex()}"
+    return f".{_tag().replace('safestage-', 'safestage-doctor-', 1)}"
+
+
+def staged_name(final_name: str) -> str:
+    """The name a save is staged under in its private directory: the final name, unless
+    that looks like safetensors' own temp file (then a sweep would take the only complete
+    copy for a torn write)."""
+    return f"{final_name}.staged" if is_writer_temp(final_name) else final_name
+
+
+def is_writer_temp(name: str) -> bool:
+    return _WRITER_TEMP_RE.match(name) is not None
 
 
 def parse_temp_name(name: str) -> Optional[Owner]:

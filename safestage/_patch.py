@@ -17,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import stat
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ._errors import PublishError, StagingError, as_safetensors_error
+from ._paths import resolve_destination
 
 if TYPE_CHECKING:
     from ._api import Stage
@@ -50,6 +52,28 @@ def current_stage() -> Optional[Stage]:
             if stage._opened_by == me:
                 return stage
         return _active[-1]
+
+
+def begin_save() -> Optional[Stage]:
+    """current_stage(), with the save counted in it under the same lock: a stage whose
+    close() has begun is never picked, and one that was picked waits for the save."""
+    with _lock:
+        stage = current_stage()
+        if stage is not None:
+            stage._begin_save()
+        return stage
+
+
+def _after_fork_in_child() -> None:
+    # A thread of the parent may have held the lock at fork(): it never releases it here.
+    global _lock
+    _lock = threading.RLock()
+    for stage in _active:
+        stage._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def is_active() -> bool:
@@ -187,14 +211,17 @@ def _filename_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[A
 def _staging_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    stage = current_stage()
-    if stage is None or getattr(_in_save, "active", False):
+    if getattr(_in_save, "active", False) or not _active:
         return wrapped(*args, **kwargs)
     filename, positional = _filename_argument(args, kwargs)
     dest = _destination(filename)
     if dest is None:
         # Not a path we can stage, or a destination a plain save rejects before writing
-        # (missing directory, a directory): let safetensors raise exactly its own error.
+        # (missing directory, a directory, a trailing slash): let safetensors raise exactly
+        # its own error.
+        return wrapped(*args, **kwargs)
+    stage = begin_save()
+    if stage is None:
         return wrapped(*args, **kwargs)
 
     def serialize(staged: str) -> None:
@@ -204,29 +231,21 @@ def _staging_wrapper(
         else:
             wrapped(*args, **{**kwargs, "filename": staged})
 
-    with bypass():  # a wrapper over ours, calling back into us, must not stage twice
-        return stage._save(serialize, dest)
+    try:
+        with bypass():  # a wrapper over ours, calling back into us, must not stage twice
+            return stage._save(serialize, dest)
+    except (PublishError, StagingError) as exc:
+        as_safetensors_error(exc)  # still caught by `except SafetensorError` (issue 9)
+        raise
+    finally:
+        stage._end_save()
 
 
 def _destination(filename: Any) -> Optional[Path]:
+    """Where a plain save of ``filename`` writes, resolved by the kernel (_paths)."""
     if not isinstance(filename, (str, os.PathLike)):
         return None
     text = os.fspath(filename)
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str):
         return None
-    dest = Path(os.path.abspath(text))
-    if not _is_dir(dest.parent) or _is_dir(dest):
-        return None
-    return dest
-
-
-def _is_dir(path: Path) -> bool:
-    # Not Path.is_dir(): it raises on ESTALE, which a concurrent rename over ``path`` causes
-    # on NFS and path-based FUSE mounts. Unknown means "not a directory": staging goes on
-    # and the publish reports any real problem as a PublishError.
-    from ._publish import stat_retrying
-
-    try:
-        return stat.S_ISDIR(stat_retrying(path).st_mode)
-    except (OSError, ValueError):
-        return False
+    return resolve_destination(text)

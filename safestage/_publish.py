@@ -21,17 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import io
 import logging
 import os
 import stat
 import threading
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from ._errors import PublishError
-from ._mounts import capabilities
+from ._locks import Contended, claim
+from ._mounts import capabilities, filesystem_key
 from ._names import temp_name
 
 log = logging.getLogger("safestage")
@@ -45,6 +49,18 @@ CHUNK_BYTES = 4 << 20
 # mountpoint-s3 refuses rename and chmod (EPERM on some versions). A same-directory rename can
 # only be EXDEV when the filesystem does not implement rename (gcsfuse, some 9p servers).
 NOT_SUPPORTED = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM, errno.EXDEV})
+# The same without EPERM, which is also a permission answer about one file (a colleague's
+# file in a sticky directory): only a probe of the device may read it as "cannot rename".
+RENAME_UNSUPPORTED = NOT_SUPPORTED - {errno.EPERM}
+# An owner keeps losing its fresh temp to a concurrent cleaner at most this often in a row.
+_TEMP_ATTEMPTS = 5
+_FILE_TYPES = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
 
 # The empty file `auto` renames once per device to learn whether the destination can rename;
 # a process killed during the probe leaves it as a safestage temp that `clean` removes.
@@ -66,6 +82,7 @@ class _StepFailed(Exception):
         self.step, self.error, self.path = step, error, path
         self.leftover: Optional[Path] = None  # our temp file, if unlinking it failed
         self.removed: Optional[bool] = None  # direct: whether a torn final file was removed
+        self.advice: Optional[str] = None  # what to do, when the step knows better than errno
 
 
 def current_umask() -> int:
@@ -112,13 +129,13 @@ def wanted_mode(dest: Path) -> tuple[int, Optional[os.stat_result]]:
     return stat.S_IMODE(previous.st_mode), previous
 
 
-def _best_effort_unlink(path: Path) -> Optional[OSError]:
+def _best_effort_unlink(path: Path, *, quiet: bool = False) -> Optional[OSError]:
     try:
         os.unlink(path)
     except FileNotFoundError:
         return None
     except OSError as exc:  # some mounts refuse unlink too: report, don't crash
-        log.warning("could not remove %s: %s", path, exc)
+        (log.debug if quiet else log.warning)("could not remove %s: %s", path, exc)
         return exc
     return None
 
@@ -145,56 +162,85 @@ def write_all(fd: int, data: memoryview) -> None:
 
 
 def copy_to_new_file(
-    source: Path, target: Path, *, flags: int, mode: int, fsync: bool, chunk_bytes: int = CHUNK_BYTES
+    source: Path,
+    target: Path,
+    *,
+    flags: int,
+    mode: int,
+    fsync: bool,
+    chunk_bytes: int = CHUNK_BYTES,
+    prepare: Optional[Callable[[int], None]] = None,
 ) -> int:
     """Copy ``source`` into ``target`` opened with ``flags``; checked fsync, close and size.
 
     Sequential writes only, from one reusable buffer: memory stays at ``chunk_bytes`` whatever
-    the file size. Returns the byte count. Raises _StepFailed naming the step that failed.
+    the file size. ``prepare(fd)`` runs right after the open. Returns the byte count. Raises
+    _StepFailed naming the step that failed. Whatever is raised (KeyboardInterrupt too), the
+    target's descriptor is closed before it propagates; removing the target is the caller's.
     """
-    expected = os.stat(source).st_size
+    # The source is opened first: once a publish has begun, a tmp cleaner emptying the
+    # staging root cannot take the data from under it (the open file outlives the unlink).
+    with open(source, "rb", buffering=0) as src:
+        expected = os.fstat(src.fileno()).st_size
+        copied = _copy_from(src, expected, target, flags=flags, mode=mode, fsync=fsync,
+                            chunk_bytes=chunk_bytes, prepare=prepare)  # fmt: skip
+    try:
+        size = os.stat(target).st_size
+    except OSError as exc:
+        raise _StepFailed("verify", exc, target) from exc
+    if size != expected or copied != expected:
+        short = OSError(errno.EIO, f"{target} holds {size} bytes after close, expected {expected}")
+        raise _StepFailed("verify", short, target)
+    return copied
+
+
+def _copy_from(
+    src: io.FileIO,
+    expected: int,
+    target: Path,
+    *,
+    flags: int,
+    mode: int,
+    fsync: bool,
+    chunk_bytes: int,
+    prepare: Optional[Callable[[int], None]],
+) -> int:
     step = "create"
     try:
         out_fd = os.open(target, os.O_WRONLY | os.O_CLOEXEC | flags, mode)
     except OSError as exc:
         raise _StepFailed(step, exc, target) from exc
+    unclosed: Optional[int] = out_fd
     copied = 0
     try:
+        if prepare is not None:
+            prepare(out_fd)
         _match_mode(out_fd, mode)
         step = "write"
-        with open(source, "rb", buffering=0) as src:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            buffer = bytearray(min(chunk_bytes, max(expected, 1)))
-            view = memoryview(buffer)
-            while True:
-                count = src.readinto(buffer)
-                if not count:
-                    break
-                write_all(out_fd, view[:count])
-                copied += count
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        buffer = bytearray(min(chunk_bytes, max(expected, 1)))
+        view = memoryview(buffer)
+        while True:
+            count = src.readinto(buffer)
+            if not count:
+                break
+            write_all(out_fd, view[:count])
+            copied += count
         if fsync:
             step = "fsync"
             os.fsync(out_fd)
-    except OSError as exc:
-        with contextlib.suppress(OSError):  # the write/fsync error is the one to report
-            os.close(out_fd)
-        raise _StepFailed(step, exc, target) from exc
-    step = "close"
-    try:
         # safetensors 0.7 and 0.8 ignore close(); object stores upload here and report failure
-        # only here, so an unchecked close is a silent data loss.
+        # only here, so an unchecked close is a silent data loss. Linux releases the fd even
+        # when close() fails: never close it twice.
+        step, unclosed = "close", None
         os.close(out_fd)
     except OSError as exc:
         raise _StepFailed(step, exc, target) from exc
-    step = "verify"
-    try:
-        size = os.stat(target).st_size
-    except OSError as exc:
-        raise _StepFailed(step, exc, target) from exc
-    if size != expected or copied != expected:
-        short = OSError(errno.EIO, f"{target} holds {size} bytes after close, expected {expected}")
-        raise _StepFailed(step, short, target)
+    finally:
+        if unclosed is not None:
+            with contextlib.suppress(OSError):  # the error in flight is the one to report
+                os.close(unclosed)
     return copied
 
 
@@ -264,10 +310,17 @@ def publish_file(
             nbytes = _replace(staged, dest, mode=mode, fsync=fsync)
             return Published("replace", nbytes, time.perf_counter() - started)
         except _StepFailed as failed:
-            cannot_rename = failed.step == "rename" and failed.error.errno in NOT_SUPPORTED
-            if not (publish == "auto" and cannot_rename):
+            # Only a probe of the device decides that it cannot rename (issue 9): a refused
+            # rename of this one file is this save's error. Without a verdict (the probe could
+            # not run), an answer that can only mean "no rename here" sends this one file direct.
+            unsupported = failed.step == "rename" and failed.error.errno in RENAME_UNSUPPORTED
+            undecided = capabilities.strategy_for(filesystem_key(directory, dest_device)) is None
+            if not (publish == "auto" and unsupported and undecided):
                 raise _publish_error(failed, dest, staged, "replace", existed=existed) from failed.error
-            _remember_direct(dest_device, directory, failed.error)
+            log.warning(
+                "%s: rename refused (%s); published with publish='direct' (not atomic)",
+                dest, _errno_text(failed.error),
+            )  # fmt: skip
 
     try:
         nbytes = _direct(staged, dest, mode=mode, fsync=fsync, previous=previous)
@@ -287,76 +340,192 @@ def _choose(publish: str, directory: Path, dest_device: int, staging_device: Opt
 
 
 def _can_rename(directory: Path, device: int) -> Optional[bool]:
-    """Whether files in ``directory`` can be renamed, probed once per device with an empty
-    file, so that a mount which cannot rename (mountpoint-s3, #792) does not cost a full
-    wasted copy first (measured: 1 GiB onto the kit's mountpoint took 3.25 s, 1.92 s direct).
-    None when the probe itself could not run: the real publish then decides."""
-    known = capabilities.strategy_for(device)
+    """Whether files in ``directory`` can be renamed, probed once per filesystem, so that a
+    mount which cannot rename (mountpoint-s3, #792) does not cost a full wasted copy first
+    (measured: 1 GiB onto the kit's mountpoint took 3.25 s, 1.92 s direct). None when the
+    probe itself could not run: the real publish then decides.
+
+    The probe leaves nothing, on every path: it writes one byte before its checked close,
+    because rclone (--vfs-cache-mode off, 1.60) uploads a file nobody wrote to only at
+    release, after close() has returned, so a rename and unlink right after close miss it
+    and the "removed" file reappears (229 of 300 empty probes on rclone-s3 did; 0 of 200
+    one-byte ones). Its close may fail (close-eio): both names are removed in any case.
+    """
+    key = filesystem_key(directory, device)
+    known = capabilities.strategy_for(key)
     if known is not None:
         return known != "direct"
     source = directory / temp_name(RENAME_PROBE)
     target = directory / temp_name(RENAME_PROBE)
     try:
-        os.close(os.open(source, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
-    except OSError as exc:
-        log.debug("rename probe in %s could not create a file: %s", directory, exc)
-        return None
-    try:
-        os.replace(source, target)
-    except OSError as exc:
-        _best_effort_unlink(source)
-        if exc.errno not in NOT_SUPPORTED:
+        try:
+            fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.debug("rename probe in %s could not create a file: %s", directory, exc)
             return None
-        _remember_direct(device, directory, exc)
-        return False
-    _best_effort_unlink(target)
-    capabilities.remember(device, "replace")
-    return True
+        try:
+            try:
+                os.write(fd, b"\0")
+            finally:
+                os.close(fd)
+            os.replace(source, target)
+        except OSError as exc:
+            if exc.errno not in NOT_SUPPORTED:
+                log.debug("rename probe in %s failed: %s", directory, exc)
+                return None
+            _remember_direct(key, directory, exc)
+            return False
+        capabilities.remember(key, "replace")
+        return True
+    finally:
+        for name in (source, target):
+            _best_effort_unlink(name, quiet=True)
 
 
-def _remember_direct(device: int, directory: Path, error: OSError) -> None:
-    if capabilities.remember(device, "direct"):
+def _remember_direct(key: Hashable, directory: Path, error: OSError) -> None:
+    if capabilities.remember(key, "direct"):
         log.warning(
-            "%s cannot rename (%s); publishing to that filesystem with publish='direct' from "
-            "now on (set SAFESTAGE_PUBLISH=direct to skip the probe)",
+            "the filesystem of %s cannot rename files (a probe's rename answered %s); "
+            "publishing to it with publish='direct' from now on (set "
+            "SAFESTAGE_PUBLISH=direct to skip the probe)",
             directory,
             _errno_text(error),
         )
 
 
 def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
-    temp = dest.parent / temp_name(dest.name)
-    try:
-        nbytes = copy_to_new_file(
-            staged, temp, flags=os.O_CREAT | os.O_EXCL, mode=mode, fsync=fsync
-        )
+    """Copy into a fresh hidden sibling, then os.replace it over ``dest``. Our temp never
+    outlives the call, whatever is raised (a KeyboardInterrupt mid-copy included)."""
+    for _ in range(_TEMP_ATTEMPTS):
+        temp = dest.parent / temp_name(dest.name)
+        lock = _TempLock(temp)
         try:
-            os.replace(temp, dest)
-        except OSError as exc:
-            raise _StepFailed("rename", exc, dest) from exc
-    except _StepFailed as failed:
-        # Never leave our temp beside the destination; exclusive create means it is ours.
-        if failed.step != "create":
-            failed.leftover = temp if _best_effort_unlink(temp) else None
-        raise
-    if fsync:
-        fsync_directory(dest.parent)
-    return nbytes
+            nbytes = copy_to_new_file(
+                staged, temp, flags=os.O_CREAT | os.O_EXCL, mode=mode, fsync=fsync,
+                prepare=lock.take,
+            )  # fmt: skip
+            try:
+                os.replace(temp, dest)
+            except OSError as exc:
+                raise _StepFailed("rename", exc, dest) from exc
+        except Contended:
+            _best_effort_unlink(temp)  # a concurrent `safestage clean` took it: a fresh name
+            continue
+        except _StepFailed as failed:
+            # Exclusive create means the temp is ours: never leave it beside the destination.
+            if failed.step != "create":
+                failed.leftover = temp if _best_effort_unlink(temp) else None
+            raise
+        except BaseException:
+            _best_effort_unlink(temp)
+            raise
+        finally:
+            lock.release()
+        if fsync:
+            fsync_directory(dest.parent)
+        return nbytes
+    error = OSError(errno.EBUSY, "another process keeps removing safestage's temp files here")
+    exhausted = _StepFailed("create", error, dest.parent)
+    exhausted.advice = (
+        f"something removes new files in {dest.parent} as soon as they appear (a cleaner "
+        "running in a loop?): stop it and save again"
+    )
+    raise exhausted
+
+
+class _TempLock:
+    """The flock that tells cleaners (in any PID namespace of this host) that our temp is
+    live, held on a read-only descriptor of its own so that it outlasts the checked close()
+    of the writing descriptor until the temp has been renamed."""
+
+    def __init__(self, temp: Path) -> None:
+        self.temp = temp
+        self._fd: Optional[int] = None
+
+    def take(self, write_fd: int) -> None:
+        try:
+            fd = os.open(self.temp, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:  # object stores may refuse a reader while the writer is open
+            log.debug("cannot lock %s (liveness then goes by name only): %s", self.temp, exc)
+            return
+        self._fd = fd
+        claim(fd, self.temp)  # raises Contended: the caller starts over with a fresh name
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _direct(
     staged: Path, dest: Path, *, mode: int, fsync: bool, previous: Optional[os.stat_result]
 ) -> int:
+    """Write the final name itself: for destinations that cannot rename (#792)."""
+    if previous is not None:
+        _refuse_special_file(dest, previous)
+    flags = os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK  # O_NONBLOCK: a FIFO put there meanwhile
+    if previous is not None and _mapped_here(previous):
+        # safetensors#762: O_TRUNC rewrites the inode in place, under the tensors this process
+        # loaded from it (mmap): their values change, and a shorter file kills us with
+        # SIGBUS. A new inode leaves the mapped one alone.
+        log.debug("%s is mapped by this process: unlinking it before writing a new inode", dest)
+        try:
+            os.unlink(dest)
+        except OSError as exc:
+            raise _StepFailed("unlink", exc, dest) from exc
+        flags = os.O_CREAT | os.O_EXCL
     try:
-        return copy_to_new_file(staged, dest, flags=os.O_CREAT | os.O_TRUNC, mode=mode, fsync=fsync)
-    except _StepFailed as failed:
-        if failed.step == "create":
+        return copy_to_new_file(
+            staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=_regular_and_blocking
+        )
+    except BaseException as exc:
+        if isinstance(exc, _StepFailed) and exc.step == "create":
             raise
         # An object store keeps the previous object when an upload fails; a POSIX filesystem
         # has already truncated it. Keep the final name only if it is still that old file.
-        if not _unchanged(dest, previous):
-            failed.removed = _best_effort_unlink(dest) is None
+        removed = None if _unchanged(dest, previous) else _best_effort_unlink(dest) is None
+        if isinstance(exc, _StepFailed):
+            exc.removed = removed
         raise
+
+
+def _refuse_special_file(dest: Path, previous: os.stat_result) -> None:
+    for is_kind, kind in _FILE_TYPES:
+        if is_kind(previous.st_mode):
+            error = OSError(errno.EINVAL, f"{dest} is {kind}")
+            failed = _StepFailed("inspect", error, dest)
+            failed.advice = (
+                f"{dest} is {kind}, not a regular file: publish='direct' writes the final name "
+                "in place and will not write into it. Remove it or save under another name "
+                "(a plain safetensors save and publish='replace' replace it with a regular file)"
+            )
+            raise failed
+
+
+def _regular_and_blocking(fd: int) -> None:
+    """After the open: refuse what is not a regular file (it appeared after our check),
+    then drop the O_NONBLOCK that kept a FIFO from blocking the open."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        _refuse_special_file(Path(os.readlink(f"/proc/self/fd/{fd}")), info)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+
+
+def _mapped_here(info: os.stat_result) -> bool:
+    """Whether this process has the file ``info`` describes mapped (/proc/self/maps)."""
+    wanted = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x} {info.st_ino} "
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            return any(_maps_identity(line) == wanted for line in maps)
+    except OSError:
+        return True  # cannot tell: the new inode is the safe choice
+
+
+def _maps_identity(line: str) -> str:
+    # "start-end perms offset dev inode path": dev and inode are fields 4 and 5
+    fields = line.split(maxsplit=5)
+    return f"{fields[3]} {fields[4]} " if len(fields) >= 5 else ""
 
 
 def _unchanged(path: Path, previous: Optional[os.stat_result]) -> bool:
@@ -388,15 +557,35 @@ _ADVICE = {
 }
 
 
-def _advice(step: str, error: OSError, strategy: str) -> str:
+def _advice(failed: _StepFailed, strategy: str, dest: Path) -> str:
+    step, error = failed.step, failed.error
     code = error.errno
+    if failed.advice is not None:
+        return failed.advice
     if step == "rename" and code in NOT_SUPPORTED and strategy == "replace":
+        if code == errno.EPERM:
+            return (
+                f"the rename over {dest.name} was refused: in a sticky directory (mode 1777) "
+                "only the owner of a file may replace it, and some mounts cannot rename at all "
+                "(then use publish='auto' or publish='direct')"
+            )
         return (
             "this destination cannot rename files: use publish='auto' or publish='direct' "
             "(SAFESTAGE_PUBLISH=direct)"
         )
+    if strategy == "direct" and step == "create" and code in (errno.EPERM, errno.EBUSY, errno.ETXTBSY):
+        return (
+            f"the destination refused to open {dest.name} for writing: on an object-store "
+            "mount (one writer per object) another process may be writing it right now; "
+            "wait for it and save again, or check that this user may write there"
+        )
     if code in NOT_SUPPORTED and strategy == "direct":
         return "this destination refused even a sequential write of a new file: run `safestage doctor` on it"
+    if code == errno.ENOENT and step in ("write", "fsync", "close", "verify", "rename") and dest.parent.is_dir():
+        return (
+            f"a file of this save vanished from {dest.parent} while it was being written "
+            "(another process removing files there, e.g. a cleaner?): save again"
+        )
     if code is not None and code in _ADVICE:
         return _ADVICE[code]
     return "check the destination (`safestage doctor PATH` probes it) and save again"
@@ -410,7 +599,13 @@ def _publish_error(
     failed: _StepFailed, dest: Path, staged: Path, strategy: str, *, existed: bool
 ) -> PublishError:
     error = failed.error
-    if strategy == "direct" and failed.step != "create":
+    if failed.step in ("create", "inspect", "unlink"):
+        state = (
+            f"{dest} still holds its previous file (untouched)"
+            if existed
+            else f"nothing was written under {dest}"
+        )
+    elif strategy == "direct":
         removed = failed.removed
         if removed is True:
             state = f"no incomplete file is left under {dest}"
@@ -433,7 +628,7 @@ def _publish_error(
     )
     message = (
         f"safestage could not publish {dest} ({strategy}, {failed.step} of {failed.path}): "
-        f"{_errno_text(error)}. {_sentence(_advice(failed.step, error, strategy))} "
+        f"{_errno_text(error)}. {_sentence(_advice(failed, strategy, dest))} "
         f"{_sentence(state)} {where}"
     )
     return PublishError(

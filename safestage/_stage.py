@@ -7,6 +7,7 @@ world-writable root safe: nobody else can plant a file or symlink inside it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -20,8 +21,10 @@ from typing import Callable, Optional
 
 from ._config import Settings
 from ._errors import StagingError
+from ._locks import Contended, claim, open_directory
 from ._mounts import mount_of
-from ._names import stage_dir_name
+from ._names import stage_dir_name, staged_name
+from ._paths import real_directory
 from ._publish import fsync_directory, publish_file, wanted_mode
 
 log = logging.getLogger("safestage")
@@ -41,18 +44,47 @@ class PublishRecord:
     publish_seconds: float
 
 
+class PrivateDir:
+    """One save's private directory (0700) under the staging root, and the flock on it that
+    tells every sweeper, in any PID namespace, that its owner is alive (``_locks``)."""
+
+    def __init__(self, path: Path, lock_fd: Optional[int]) -> None:
+        self.path = path
+        self._lock_fd = lock_fd
+
+    def release(self) -> None:
+        """Drop the lock: what the directory still holds is then protected by its content
+        alone (a kept copy is never swept). Idempotent."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def remove(self) -> None:
+        """Remove the directory (under the lock, so no sweeper races us); never raises."""
+        try:
+            remove_tree(self.path)
+        finally:
+            self.release()
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def __repr__(self) -> str:
+        return f"<PrivateDir {self.path} {'locked' if self._lock_fd is not None else 'released'}>"
+
+
 class StagingArea:
     """A checked staging root. Construct it at activation so a bad root fails early."""
 
     def __init__(self, root: Path, *, is_default: bool) -> None:
-        self.root = root
         if is_default:
             _ensure_private_default(root)
         _check_root(root)
-        self.device = os.stat(root).st_dev
-        _sweep_dead(root)
+        self.root = real_directory(root) or root  # the kernel's path: no text games (issue 9)
+        self.device = os.stat(self.root).st_dev
+        _sweep_dead(self.root)
 
-    def new_private_dir(self) -> Path:
+    def new_private_dir(self) -> PrivateDir:
         for _ in range(100):
             candidate = self.root / stage_dir_name()
             try:
@@ -61,7 +93,19 @@ class StagingArea:
                 continue
             except OSError as exc:
                 raise _root_error(self.root, exc, "create a private staging directory in") from exc
-            return candidate
+            try:
+                fd = open_directory(candidate)
+            except FileNotFoundError:
+                continue  # a sweeper in another PID namespace took it before we locked it
+            except OSError as exc:
+                remove_tree(candidate)
+                raise _root_error(self.root, exc, "open a private staging directory in") from exc
+            try:
+                claim(fd, candidate)
+            except Contended:
+                os.close(fd)  # the sweeper holding it removes it
+                continue
+            return PrivateDir(candidate, fd)
         raise StagingError(errno.EEXIST, f"safestage could not find a free staging name under {self.root}", str(self.root))
 
 
@@ -90,6 +134,12 @@ def _ensure_private_default(root: Path) -> None:
         pass
     except OSError as exc:
         raise _root_error(root, exc, "create the default staging root") from exc
+    info = _refuse_planted(root)
+    if info.st_mode & 0o077:
+        os.chmod(root, 0o700)
+
+
+def _refuse_planted(root: Path) -> os.stat_result:
     info = os.lstat(root)
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise StagingError(
@@ -99,8 +149,18 @@ def _ensure_private_default(root: Path) -> None:
             "to a private local directory.",
             str(root),
         )
-    if info.st_mode & 0o077:
-        os.chmod(root, 0o700)
+    return info
+
+
+def check_root(root: Path, *, is_default: bool) -> None:
+    """What activation checks, without creating the root or sweeping it (for `status` and
+    `run`): raise the StagingError an activation would raise."""
+    if is_default:
+        if not os.path.lexists(root):
+            _check_root(root.parent)  # the first activation makes it 0700 there
+            return
+        _refuse_planted(root)
+    _check_root(root)
 
 
 def _check_root(root: Path) -> None:
@@ -136,7 +196,8 @@ def _check_root(root: Path) -> None:
         os.mkdir(probe, 0o700)
     except OSError as exc:
         raise _root_error(root, exc, "write in") from exc
-    os.rmdir(probe)
+    with contextlib.suppress(FileNotFoundError):  # a sweeper elsewhere may have taken it
+        os.rmdir(probe)
 
 
 def _root_error(root: Path, exc: OSError, doing: str) -> StagingError:
@@ -166,7 +227,7 @@ def remove_tree(path: Path) -> None:
 class StagedFile:
     """A complete file in its private staging directory, waiting to be published."""
 
-    private: Path
+    private: PrivateDir
     path: Path
     dest: Path
     started: float  # perf_counter when the save began
@@ -185,7 +246,7 @@ def write_staged(write: Callable[[str], None], dest: Path, area: StagingArea) ->
     """
     started = time.perf_counter()
     private = area.new_private_dir()
-    staged = private / dest.name
+    staged = private / staged_name(dest.name)
     try:
         write(str(staged))
         if not staged.is_file():
@@ -195,7 +256,7 @@ def write_staged(write: Callable[[str], None], dest: Path, area: StagingArea) ->
                 str(staged),
             )
     except BaseException as exc:
-        remove_tree(private)
+        private.remove()
         translated = _staging_failure(exc, staged, area.root)
         if translated is not None:
             raise translated from exc
@@ -222,11 +283,16 @@ def publish_staged(item: StagedFile, settings: Settings, area: StagingArea) -> P
         )
     except BaseException as exc:
         if not item.path.exists():
-            remove_tree(item.private)
+            item.private.remove()
             if isinstance(exc, OSError) and not isinstance(exc, StagingError):
                 raise _staged_copy_vanished(item, area.root) from exc
+            raise
+        # Kept: the complete copy stays where the error says; it is never swept (_clean).
+        item.private.release()
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: say where it is
+            _note_kept_copy(exc, item)
         raise
-    remove_tree(item.private)
+    item.private.remove()
     done = time.perf_counter()
     record = PublishRecord(
         destination=item.dest,
@@ -241,6 +307,16 @@ def publish_staged(item: StagedFile, settings: Settings, area: StagingArea) -> P
         item.dest, record.bytes, record.serialize_seconds, record.strategy, record.publish_seconds,
     )
     return record
+
+
+def _note_kept_copy(exc: BaseException, item: StagedFile) -> None:
+    text = (
+        f"safestage: interrupted while publishing {item.dest}; the complete staged copy is "
+        f"kept at {item.path}"
+    )
+    log.warning("%s", text)
+    if hasattr(exc, "add_note"):  # Python 3.11+: shown under the traceback
+        exc.add_note(text)
 
 
 def _staged_copy_vanished(item: StagedFile, root: Path) -> StagingError:

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 import safestage
 from safestage import _patch
 from safestage._names import parse_temp_name
+from safestage._publish import RENAME_PROBE
 
 
 def version(tag: int, numel: int = 256 * 1024) -> dict[str, torch.Tensor]:
@@ -99,6 +100,8 @@ class TempWatcher:
         for name in self.seen:
             owner = parse_temp_name(name)
             assert owner is not None and owner.pid == os.getpid(), f"foreign entry {name}"
+            if name.startswith(f".{RENAME_PROBE}.safestage-"):
+                continue  # auto's once-per-device probe, if this device was not probed yet
             assert sum(name.startswith(f".{final}.safestage-") for final in finals) == 1, (
                 f"temp {name} belongs to no single destination (cross-talk)"
             )

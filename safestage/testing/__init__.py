@@ -20,8 +20,8 @@ Modes (``MODES``):
 - ``mountpoint``: mountpoint-s3 semantics: rename ENOSYS, chmod/chown EPERM, truncation EPERM,
   out-of-order writes EINVAL, overwrite only with O_TRUNC, a new file cannot be read or
   deleted until its writer closes it, no links.
-- ``close-eio``: a file written through a handle fails ``close()`` and ``fsync()`` with EIO and is
-  discarded, like an object store whose upload failed: ignoring close() loses data silently.
+- ``close-eio``: a file created or written through a handle fails ``close()`` and ``fsync()`` with
+  EIO and is discarded, like an object store whose upload failed: ignoring close() loses data silently.
 - ``slow``: passthrough with writes paced to ``mbps`` MB/s (default 200).
 
 The FUSE server runs in a separate process (never in the caller's); :meth:`HostileMount.faults`

@@ -63,7 +63,7 @@ class Policy:
     chown: Optional[int] = None
     link: Optional[int] = None
     symlink: Optional[int] = None
-    fail_close: bool = False  # close-eio: close()/fsync() of a written file fail, data dropped
+    fail_close: bool = False  # close-eio: close()/fsync() of a created or written file fail, data dropped
     object_semantics: bool = False  # mountpoint-s3: single sequential writer, visible on close
     default_mbps: Optional[float] = None
 
@@ -408,7 +408,11 @@ class HostileFS(Operations):  # type: ignore[misc]
             if self.policy.object_semantics:
                 self._check_object_open(path, flags | os.O_TRUNC)
             fd = os.open(self._full(path), (flags & ~_STRIP_FLAGS) | os.O_CREAT, mode & 0o7777)
-            return self._register(fd, path, flags)
+            fh = self._register(fd, path, flags)
+            # close-eio: creating an object is an upload too, even an empty one (a store whose
+            # uploads fail refuses a 0-byte PUT as well).
+            self._handles[fh].dirty = self.policy.fail_close
+            return fh
 
     def open(self, path: str, flags: int) -> int:
         with self._lock:
