@@ -10,6 +10,11 @@ Fixtures
     safestage_mountpoint_dir, safestage_close_eio_dir, safestage_slow_dir
                               the same, one mode each.
     The hostile fixtures skip, with the reason, where FUSE is unavailable.
+    safestage_real_mount      factory: ``safestage_real_mount("rclone-s3")`` -> a fresh directory
+                              on a real third-party mount of that mode (rclone-local, rclone-s3,
+                              s3fs; session-wide mounts, one local S3 server). A missing rclone,
+                              s3fs or moto is an error naming what to install, not a skip: a
+                              test that asks for a real tool wants it.
 
 Options
     --safestage / ini ``safestage = true``: staging on for the whole session, for suites that
@@ -90,12 +95,13 @@ def safestage_stage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stage]
 
 
 class _Mounts:
-    """Session-wide hostile mounts, mounted on first use of each mode."""
+    """Session-wide hostile and real mounts, mounted on first use of each mode."""
 
     def __init__(self, base: Path) -> None:
         self._base = base
         self._stack = contextlib.ExitStack()
         self._mounts: dict[str, Any] = {}
+        self._real: dict[str, Any] = {}
 
     def directory(self, mode: str) -> Path:
         from safestage.testing import MODES, fuse_available, hostile_mount
@@ -108,6 +114,29 @@ class _Mounts:
                 pytest.skip(f"safestage hostile mount {mode!r} needs FUSE: {reason}")
             self._mounts[mode] = self._stack.enter_context(hostile_mount(mode, self._base / mode))
         fresh = Path(self._mounts[mode].path) / f"test-{uuid.uuid4().hex[:12]}"
+        fresh.mkdir()
+        return fresh
+
+    def real_directory(self, mode: str) -> Path:
+        from safestage.testing import (
+            REAL_MODES,
+            RealMountUnavailable,
+            real_available,
+            real_mount,
+            stop_shared_s3_server,
+        )
+
+        if mode not in REAL_MODES:
+            raise ValueError(f"unknown real mode {mode!r}: choose one of {', '.join(REAL_MODES)}")
+        if mode not in self._real:
+            ok, reason = real_available(mode)
+            if not ok:
+                raise RealMountUnavailable(f"safestage real mount {mode!r} cannot be made here: {reason}")
+            if mode != "rclone-local" and not any(m != "rclone-local" for m in self._real):
+                # Registered before the first S3 mount, so it runs after every mount is gone.
+                self._stack.callback(stop_shared_s3_server)
+            self._real[mode] = self._stack.enter_context(real_mount(mode, self._base / f"real-{mode}"))
+        fresh = Path(self._real[mode].path) / f"test-{uuid.uuid4().hex[:12]}"
         fresh.mkdir()
         return fresh
 
@@ -126,6 +155,12 @@ def _safestage_mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Mou
 def safestage_hostile_dir(_safestage_mounts: _Mounts) -> Callable[[str], Path]:
     """Factory: ``safestage_hostile_dir("mountpoint")`` -> a fresh dir on that hostile mount."""
     return _safestage_mounts.directory
+
+
+@pytest.fixture
+def safestage_real_mount(_safestage_mounts: _Mounts) -> Callable[[str], Path]:
+    """Factory: ``safestage_real_mount("rclone-s3")`` -> a fresh dir on that real mount."""
+    return _safestage_mounts.real_directory
 
 
 def _mode_fixture(mode: str) -> Any:

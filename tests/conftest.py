@@ -1,6 +1,8 @@
-"""Shared fixtures: real destinations (disk, /dev/shm across devices, hostile FUSE mounts).
+"""Shared fixtures: real destinations (disk, /dev/shm across devices, hostile FUSE mounts,
+real rclone and s3fs mounts).
 
-Nothing here skips: CI must fail loudly when FUSE or a client library is missing.
+Nothing here skips: CI must fail loudly when FUSE, rclone, s3fs, moto or a client library is
+missing.
 """
 
 from __future__ import annotations
@@ -105,6 +107,40 @@ def kit_dir(request: pytest.FixtureRequest, kit_mounts: dict[str, object]) -> It
     directory.mkdir()
     yield directory
     shutil.rmtree(Path(mount.backing) / directory.name, ignore_errors=True)  # type: ignore[attr-defined]
+
+
+def _require_real(mode: str) -> None:
+    from safestage.testing import real_available
+
+    ok, reason = real_available(mode)
+    if not ok:
+        pytest.fail(f"the real mount {mode!r} is required for this test and unavailable: {reason}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def real_mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    """One real third-party mount per REAL_MODE (rclone-local, rclone-s3, s3fs), shared by the
+    session; the S3 modes share one local moto server, stopped after the mounts."""
+    from contextlib import ExitStack
+
+    from safestage.testing import REAL_MODES, real_mount, stop_shared_s3_server
+
+    for mode in REAL_MODES:
+        _require_real(mode)
+    base = tmp_path_factory.mktemp("real")
+    with ExitStack() as stack:
+        stack.callback(stop_shared_s3_server)
+        yield {mode: stack.enter_context(real_mount(mode, base / f"mnt-{mode}")) for mode in REAL_MODES}
+
+
+@pytest.fixture
+def real_dir(request: pytest.FixtureRequest, real_mounts: dict[str, object]) -> Iterator[Path]:
+    """A fresh directory inside the real mount named by the test's ``mode`` parameter."""
+    mount = real_mounts[request.param]
+    directory = Path(mount.path) / f"t-{uuid.uuid4().hex[:10]}"  # type: ignore[attr-defined]
+    directory.mkdir()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)  # through the mount: S3 modes have no backing dir
 
 
 @pytest.fixture

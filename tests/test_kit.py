@@ -102,7 +102,21 @@ def nonzero(faults: dict[str, int]) -> dict[str, int]:
 def test_public_api() -> None:
     import safestage.testing as kit
 
-    assert kit.__all__ == ["MODES", "FuseUnavailable", "HostileMount", "fuse_available", "hostile_mount"]
+    assert kit.__all__ == [
+        "MODES",
+        "REAL_MODES",
+        "FuseUnavailable",
+        "HostileMount",
+        "RealMount",
+        "RealMountUnavailable",
+        "S3Server",
+        "fuse_available",
+        "hostile_mount",
+        "real_available",
+        "real_mount",
+        "shared_s3_server",
+        "stop_shared_s3_server",
+    ]  # the real mounts: tests/test_real_mounts.py
     assert MODES == ("hdfs", "eopnotsupp", "objectstore", "mountpoint", "close-eio", "slow", "passthrough")
     assert issubclass(FuseUnavailable, RuntimeError)
     ok, reason = fuse_available()

@@ -77,6 +77,38 @@ def test_hostile_fixtures_fail_plain_and_pass_staged(suite):
     result.assert_outcomes(passed=7)
 
 
+def test_real_mount_fixture(suite):
+    suite.makepyfile(
+        test_r=textwrap.dedent(
+            """
+            import os
+            import pytest
+            from helpers import save_and_check
+
+            def test_plain_fails_on_rclone(safestage_real_mount):
+                with pytest.raises(Exception, match="os error 1"):  # EPERM: set_len
+                    save_and_check(safestage_real_mount("rclone-s3"))
+
+            def test_staged_rclone(safestage_stage, safestage_real_mount):
+                directory = safestage_real_mount("rclone-s3")
+                save_and_check(directory)
+                assert "model.safetensors" in os.listdir(directory)
+
+            def test_plain_s3fs(safestage_real_mount):
+                first, second = safestage_real_mount("s3fs"), safestage_real_mount("s3fs")
+                assert first != second and first.parent == second.parent  # fresh dirs, one mount
+                save_and_check(first)
+
+            def test_unknown_mode(safestage_real_mount):
+                with pytest.raises(ValueError, match="unknown real mode"):
+                    safestage_real_mount("gcsfuse")
+            """
+        )
+    )
+    result = suite.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4)
+
+
 def test_session_option_and_ini(suite, tmp_path):
     suite.makepyfile(
         test_c=textwrap.dedent(

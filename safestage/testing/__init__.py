@@ -24,6 +24,19 @@ Modes (``MODES``):
   EIO and is discarded, like an object store whose upload failed: ignoring close() loses data silently.
 - ``slow``: passthrough with writes paced to ``mbps`` MB/s (default 200).
 
+Real third-party mounts (``REAL_MODES``), for what no model captures, same shape::
+
+    from safestage.testing import real_mount
+
+    with real_mount("rclone-s3") as m:         # also "rclone-local", "s3fs"
+        save_checkpoint(m.path / "model.safetensors")
+        assert m.objects() == ["model.safetensors"]  # the bucket's keys, not the mount's view
+
+``rclone-local`` is ``rclone mount`` of a local directory, ``rclone-s3`` of a bucket on a local
+moto S3 server (127.0.0.1 only), both with ``--vfs-cache-mode off``; ``s3fs`` is s3fs-fuse on
+such a bucket. They need rclone, s3fs and ``moto[server]`` installed; a missing tool fails at
+mount time with :class:`RealMountUnavailable` naming it.
+
 The FUSE server runs in a separate process (never in the caller's); :meth:`HostileMount.faults`
 reads the fault counts it publishes. Importing this package imports neither torch, safetensors
 nor mfusepy: a machine without FUSE fails at mount time with :class:`FuseUnavailable`.
@@ -31,6 +44,29 @@ nor mfusepy: a machine without FUSE fails at mount time with :class:`FuseUnavail
 
 from __future__ import annotations
 
-from ._mount import MODES, FuseUnavailable, HostileMount, fuse_available, hostile_mount
+from ._mount import (
+    MODES,
+    FuseUnavailable,
+    HostileMount,
+    RealMountUnavailable,
+    fuse_available,
+    hostile_mount,
+)
+from ._real import REAL_MODES, RealMount, real_available, real_mount
+from ._s3 import S3Server, shared_s3_server, stop_shared_s3_server
 
-__all__ = ["MODES", "FuseUnavailable", "HostileMount", "fuse_available", "hostile_mount"]
+__all__ = [
+    "MODES",
+    "REAL_MODES",
+    "FuseUnavailable",
+    "HostileMount",
+    "RealMount",
+    "RealMountUnavailable",
+    "S3Server",
+    "fuse_available",
+    "hostile_mount",
+    "real_available",
+    "real_mount",
+    "shared_s3_server",
+    "stop_shared_s3_server",
+]

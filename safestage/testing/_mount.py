@@ -56,6 +56,12 @@ class FuseUnavailable(RuntimeError):
     """This machine cannot mount the hostile filesystems; the message says what is missing."""
 
 
+class RealMountUnavailable(FuseUnavailable):
+    """A real third-party mount (rclone, s3fs, the moto S3 server) cannot be made here: the
+    message names the missing tool and how to install it. A FuseUnavailable, so callers that
+    already handle a missing FUSE handle this too."""
+
+
 def fuse_available() -> tuple[bool, str]:
     """Probe whether a hostile mount can be made here: ``(ok, reason)``.
 
@@ -67,6 +73,12 @@ def fuse_available() -> tuple[bool, str]:
     if problems:
         return False, "; ".join(problems)
     return True, f"{_DEV_FUSE} opens, libfuse3 loads, mfusepy found, {_mounter_description()}"
+
+
+def fuse_device_problem() -> Optional[str]:
+    """What stops any FUSE mount here, whatever the server (no /dev/fuse, no way to mount), or None."""
+    problems = [p for p in (_probe_dev_fuse(), _probe_mounter()) if p]
+    return "; ".join(problems) or None
 
 
 def _probe_dev_fuse() -> Optional[str]:
