@@ -541,3 +541,23 @@ def test_server_unmounts_itself_when_the_parent_dies(tmp_path: Path) -> None:
     assert not mounted(Path(info["path"])), "orphaned server left its mount behind"
     assert process_gone(info["pid"]), "orphaned server still running"
     assert not Path(info["path"]).exists() and not Path(info["backing"]).exists()
+
+
+def test_mountpoint_commits_only_on_the_openers_close() -> None:
+    """mountpoint-s3 SEMANTICS.md: a close by another process than the opener (a forked
+    child's copy of the descriptor) does not complete the upload; the opener's close does."""
+    with hostile_mount("mountpoint") as m:
+        fd = os.open(m.path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"a" * 100)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)  # closes the child's copy: FUSE FLUSH from another pid
+        os.waitpid(pid, 0)
+        os.write(fd, b"b" * 100)  # still the uncommitted upload: allowed
+        os.close(fd)
+        assert (m.path / "f").read_bytes() == b"a" * 100 + b"b" * 100
+        assert nonzero(m.faults()) == {}
+        fd = os.open(m.path / "g", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"c")
+        os.close(fd)  # the opener's close commits: no more writes, a reader may open it
+        assert (m.path / "g").read_bytes() == b"c"

@@ -207,9 +207,18 @@ class _Handle:
     dirty: bool = False  # close-eio: written since open
     failed: bool = False  # close-eio: the "upload" already failed and was discarded
     uploading: bool = False  # mountpoint: this handle is the object's single, uncommitted writer
+    opener: int = 0  # pid of the process that opened it (mountpoint: only its close commits)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _caller_pid() -> int:
+    """The pid of the process whose request is being served (0 where libfuse cannot say)."""
+    try:
+        return int(mfusepy.fuse_get_context()[2])
+    except Exception:
+        return 0
 
 
 def _renameat2(old: str, new: str, flags: int) -> None:
@@ -274,7 +283,7 @@ class HostileFS(Operations):  # type: ignore[misc]
     def _register(self, fd: int, path: str, flags: int) -> int:
         st = os.fstat(fd)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        handle = _Handle(fd=fd, path=path, dev=st.st_dev, ino=st.st_ino, writable=writable)
+        handle = _Handle(fd=fd, path=path, dev=st.st_dev, ino=st.st_ino, writable=writable, opener=_caller_pid())
         with self._lock:
             fh = self._next_fh
             self._next_fh += 1
@@ -464,7 +473,10 @@ class HostileFS(Operations):  # type: ignore[misc]
                 # close(2) reports FLUSH errors only (not RELEASE): this is where EIO must go.
                 self._discard(handle, path)
                 raise self.counter.fire("flush", errno.EIO, path)
-            if handle.uploading and handle.written > 0:
+            # mountpoint-s3 (SEMANTICS.md): close completes the upload, except for an empty
+            # file or a close by another process than the opener (a forked child's copy of
+            # the descriptor): then the upload completes when the last reference goes.
+            if handle.uploading and handle.written > 0 and _caller_pid() in (handle.opener, 0):
                 self._commit(fh, handle)
         return 0
 
