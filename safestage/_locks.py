@@ -56,6 +56,13 @@ def claim(fd: int, path: Path) -> bool:
     return True
 
 
+def close_quietly(fd: int) -> None:
+    """Close a descriptor we only read, locked or fsync'ed: its close() says nothing about
+    anyone's data, so a failure there must not fail a save (write descriptors are checked)."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def open_directory(path: Path) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
@@ -80,4 +87,4 @@ def taken(path: Path, *, directory: bool) -> Iterator[Optional[bool]]:
             return
         yield True
     finally:
-        os.close(fd)
+        close_quietly(fd)

@@ -65,9 +65,11 @@ def begin_save() -> Optional[Stage]:
 
 
 def _after_fork_in_child() -> None:
-    # A thread of the parent may have held the lock at fork(): it never releases it here.
-    global _lock
+    # A thread of the parent may have held the lock at fork(), or been inside a save: neither
+    # exists here, and the child's own saves must be staged.
+    global _lock, _in_save
     _lock = threading.RLock()
+    _in_save = threading.local()
     for stage in _active:
         stage._after_fork_in_child()
 

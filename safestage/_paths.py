@@ -9,6 +9,7 @@ would), so the destination's directory is opened and the kernel says where it is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
@@ -31,7 +32,8 @@ def real_directory(path: str | os.PathLike[str]) -> Optional[Path]:
     except OSError:  # no /proc: realpath agrees with the kernel once the directory exists
         real = os.path.realpath(path)
     finally:
-        os.close(fd)
+        with contextlib.suppress(OSError):  # a read-only descriptor: nothing to report
+            os.close(fd)
     if not real.startswith("/") or real.endswith(" (deleted)"):
         return None  # outside our root ("(unreachable)/...") or removed meanwhile
     return Path(real)

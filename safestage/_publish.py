@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ._errors import PublishError
-from ._locks import Contended, claim
+from ._interrupts import deferred
+from ._locks import Contended, claim, close_quietly
 from ._mounts import capabilities, filesystem_key
 from ._names import temp_name
 
@@ -129,13 +130,13 @@ def wanted_mode(dest: Path) -> tuple[int, Optional[os.stat_result]]:
     return stat.S_IMODE(previous.st_mode), previous
 
 
-def _best_effort_unlink(path: Path, *, quiet: bool = False) -> Optional[OSError]:
+def _best_effort_unlink(path: Path) -> Optional[OSError]:
     try:
         os.unlink(path)
     except FileNotFoundError:
         return None
     except OSError as exc:  # some mounts refuse unlink too: report, don't crash
-        (log.debug if quiet else log.warning)("could not remove %s: %s", path, exc)
+        log.warning("could not remove %s: %s", path, exc)
         return exc
     return None
 
@@ -152,7 +153,7 @@ def fsync_directory(directory: Path) -> None:
     except OSError as exc:
         log.debug("directory fsync of %s refused: %s", directory, exc)
     finally:
-        os.close(fd)
+        close_quietly(fd)
 
 
 def write_all(fd: int, data: memoryview) -> None:
@@ -180,9 +181,16 @@ def copy_to_new_file(
     """
     # The source is opened first: once a publish has begun, a tmp cleaner emptying the
     # staging root cannot take the data from under it (the open file outlives the unlink).
-    with open(source, "rb", buffering=0) as src:
-        expected = os.fstat(src.fileno()).st_size
-        copied = _copy_from(src, expected, target, flags=flags, mode=mode, fsync=fsync,
+    try:
+        src = open(source, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
+    except OSError as exc:
+        raise _StepFailed("read", exc, source) from exc
+    with src:
+        try:
+            expected = os.fstat(src.fileno()).st_size
+        except OSError as exc:
+            raise _StepFailed("read", exc, source) from exc
+        copied = _copy_from(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
                             chunk_bytes=chunk_bytes, prepare=prepare)  # fmt: skip
     try:
         size = os.stat(target).st_size
@@ -196,6 +204,7 @@ def copy_to_new_file(
 
 def _copy_from(
     src: io.FileIO,
+    source: Path,
     expected: int,
     target: Path,
     *,
@@ -212,6 +221,7 @@ def _copy_from(
         raise _StepFailed(step, exc, target) from exc
     unclosed: Optional[int] = out_fd
     copied = 0
+    step = "prepare"  # from here on the target exists (and O_TRUNC has emptied it)
     try:
         if prepare is not None:
             prepare(out_fd)
@@ -222,7 +232,10 @@ def _copy_from(
         buffer = bytearray(min(chunk_bytes, max(expected, 1)))
         view = memoryview(buffer)
         while True:
-            count = src.readinto(buffer)
+            try:
+                count = src.readinto(buffer)
+            except OSError as exc:  # the staging side failed, not the destination
+                raise _StepFailed("read", exc, source) from exc
             if not count:
                 break
             write_all(out_fd, view[:count])
@@ -239,7 +252,7 @@ def _copy_from(
         raise _StepFailed(step, exc, target) from exc
     finally:
         if unclosed is not None:
-            with contextlib.suppress(OSError):  # the error in flight is the one to report
+            with deferred(), contextlib.suppress(OSError):  # the error in flight is the one to report
                 os.close(unclosed)
     return copied
 
@@ -254,9 +267,13 @@ def _match_mode(fd: int, mode: int) -> None:
         log.debug("could not set mode %o: %s", mode, exc)
 
 
-def _rename_into_place(staged: Path, dest: Path, *, mode: int, fsync: bool) -> None:
-    step = "chmod"
+def _rename_into_place(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
+    """chmod, fsync, os.replace; the byte count is taken before: after the rename the save
+    is done, and nothing may fail it any more."""
+    step = "inspect"
     try:
+        nbytes = os.stat(staged).st_size
+        step = "chmod"
         os.chmod(staged, mode)
         if fsync:
             step = "fsync"
@@ -264,11 +281,12 @@ def _rename_into_place(staged: Path, dest: Path, *, mode: int, fsync: bool) -> N
             try:
                 os.fsync(fd)
             finally:
-                os.close(fd)
+                close_quietly(fd)
         step = "rename"
         os.replace(staged, dest)
     except OSError as exc:
         raise _StepFailed(step, exc, dest) from exc
+    return nbytes
 
 
 def publish_file(
@@ -293,8 +311,7 @@ def publish_file(
 
     if strategy == "rename":
         try:
-            _rename_into_place(staged, dest, mode=mode, fsync=fsync)
-            nbytes = os.stat(dest).st_size
+            nbytes = _rename_into_place(staged, dest, mode=mode, fsync=fsync)
         except _StepFailed as failed:
             # A bind mount of the same filesystem still answers EXDEV: copy instead.
             if failed.error.errno != errno.EXDEV:
@@ -357,6 +374,7 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
         return known != "direct"
     source = directory / temp_name(RENAME_PROBE)
     target = directory / temp_name(RENAME_PROBE)
+    lock = _TempLock(source)  # cleaners leave a live probe alone, as any temp of ours
     try:
         try:
             fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -365,10 +383,13 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
             return None
         try:
             try:
+                lock.take(fd)
                 os.write(fd, b"\0")
             finally:
                 os.close(fd)
             os.replace(source, target)
+        except Contended:
+            return None  # a cleaner took it before we locked it: no verdict this time
         except OSError as exc:
             if exc.errno not in NOT_SUPPORTED:
                 log.debug("rename probe in %s failed: %s", directory, exc)
@@ -378,8 +399,10 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
         capabilities.remember(key, "replace")
         return True
     finally:
-        for name in (source, target):
-            _best_effort_unlink(name, quiet=True)
+        with deferred():  # a Ctrl-C now is raised once both names are gone
+            _best_effort_unlink(source)  # a refusal is logged at WARNING with the path
+            _best_effort_unlink(target)
+            lock.release()
 
 
 def _remember_direct(key: Hashable, directory: Path, error: OSError) -> None:
@@ -409,15 +432,18 @@ def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
             except OSError as exc:
                 raise _StepFailed("rename", exc, dest) from exc
         except Contended:
-            _best_effort_unlink(temp)  # a concurrent `safestage clean` took it: a fresh name
+            with deferred():
+                _best_effort_unlink(temp)  # a concurrent `safestage clean` took it: a fresh name
             continue
         except _StepFailed as failed:
             # Exclusive create means the temp is ours: never leave it beside the destination.
             if failed.step != "create":
-                failed.leftover = temp if _best_effort_unlink(temp) else None
+                with deferred():
+                    failed.leftover = temp if _best_effort_unlink(temp) else None
             raise
         except BaseException:
-            _best_effort_unlink(temp)
+            with deferred():
+                _best_effort_unlink(temp)
             raise
         finally:
             lock.release()
@@ -445,6 +471,13 @@ class _TempLock:
     def take(self, write_fd: int) -> None:
         try:
             fd = os.open(self.temp, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError as exc:
+            # Gone since we made it (a cleaner took it), or still there but not openable while
+            # it is being written (rclone 1.60 answers ENOENT): only the first is a contention.
+            if not os.path.lexists(self.temp):
+                raise Contended(str(self.temp)) from exc
+            log.debug("cannot lock %s (liveness then goes by name only): %s", self.temp, exc)
+            return
         except OSError as exc:  # object stores may refuse a reader while the writer is open
             log.debug("cannot lock %s (liveness then goes by name only): %s", self.temp, exc)
             return
@@ -454,8 +487,7 @@ class _TempLock:
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            close_quietly(fd)
 
 
 def _direct(
@@ -484,7 +516,8 @@ def _direct(
             raise
         # An object store keeps the previous object when an upload fails; a POSIX filesystem
         # has already truncated it. Keep the final name only if it is still that old file.
-        removed = None if _unchanged(dest, previous) else _best_effort_unlink(dest) is None
+        with deferred():
+            removed = None if _unchanged(dest, previous) else _best_effort_unlink(dest) is None
         if isinstance(exc, _StepFailed):
             exc.removed = removed
         raise
@@ -562,6 +595,11 @@ def _advice(failed: _StepFailed, strategy: str, dest: Path) -> str:
     code = error.errno
     if failed.advice is not None:
         return failed.advice
+    if step == "read":
+        return (
+            "the staged copy could not be read back from the staging root (its disk failed, "
+            "or something removed it): check the staging root and save again"
+        )
     if step == "rename" and code in NOT_SUPPORTED and strategy == "replace":
         if code == errno.EPERM:
             return (

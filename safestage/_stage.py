@@ -7,7 +7,6 @@ world-writable root safe: nobody else can plant a file or symlink inside it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -21,7 +20,8 @@ from typing import Callable, Optional
 
 from ._config import Settings
 from ._errors import StagingError
-from ._locks import Contended, claim, open_directory
+from ._interrupts import deferred
+from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
 from ._names import stage_dir_name, staged_name
 from ._paths import real_directory
@@ -57,14 +57,16 @@ class PrivateDir:
         alone (a kept copy is never swept). Idempotent."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
-            os.close(fd)
+            close_quietly(fd)
 
     def remove(self) -> None:
-        """Remove the directory (under the lock, so no sweeper races us); never raises."""
-        try:
-            remove_tree(self.path)
-        finally:
-            self.release()
+        """Remove the directory (under the lock, so no sweeper races us); never raises, and a
+        Ctrl-C meanwhile is raised after it."""
+        with deferred():
+            try:
+                remove_tree(self.path)
+            finally:
+                self.release()
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name
@@ -81,7 +83,10 @@ class StagingArea:
             _ensure_private_default(root)
         _check_root(root)
         self.root = real_directory(root) or root  # the kernel's path: no text games (issue 9)
-        self.device = os.stat(self.root).st_dev
+        try:
+            self.device = os.stat(self.root).st_dev
+        except OSError as exc:
+            raise _root_error(self.root, exc, "inspect") from exc
         _sweep_dead(self.root)
 
     def new_private_dir(self) -> PrivateDir:
@@ -93,18 +98,24 @@ class StagingArea:
                 continue
             except OSError as exc:
                 raise _root_error(self.root, exc, "create a private staging directory in") from exc
+            fd: Optional[int] = None
             try:
                 fd = open_directory(candidate)
-            except FileNotFoundError:
-                continue  # a sweeper in another PID namespace took it before we locked it
-            except OSError as exc:
-                remove_tree(candidate)
-                raise _root_error(self.root, exc, "open a private staging directory in") from exc
-            try:
                 claim(fd, candidate)
-            except Contended:
-                os.close(fd)  # the sweeper holding it removes it
+            except (FileNotFoundError, Contended):
+                # A sweeper in another PID namespace took it before we locked it: the one
+                # holding it removes it; a fresh name for us.
+                if fd is not None:
+                    close_quietly(fd)
                 continue
+            except BaseException as exc:
+                with deferred():
+                    if fd is not None:
+                        close_quietly(fd)
+                    remove_tree(candidate)
+                if isinstance(exc, OSError):
+                    raise _root_error(self.root, exc, "lock a private staging directory in") from exc
+                raise
             return PrivateDir(candidate, fd)
         raise StagingError(errno.EEXIST, f"safestage could not find a free staging name under {self.root}", str(self.root))
 
@@ -190,14 +201,30 @@ def _check_root(root: Path) -> None:
             "scratch or /dev/shm) so the writer's ftruncate and rename work there.",
             str(root),
         )
-    # A real write probe: os.access() says yes to root even on a read-only mount.
+    # A real write probe: os.access() says yes to root even on a read-only mount. Locked
+    # like every private directory, so no sweeper takes it for a dead one meanwhile.
     probe = root / stage_dir_name()
     try:
         os.mkdir(probe, 0o700)
     except OSError as exc:
         raise _root_error(root, exc, "write in") from exc
-    with contextlib.suppress(FileNotFoundError):  # a sweeper elsewhere may have taken it
-        os.rmdir(probe)
+    fd: Optional[int] = None
+    try:
+        fd = open_directory(probe)
+        claim(fd, probe)
+    except (OSError, Contended):
+        pass  # a sweeper got there first: the root is writable, which is all we ask here
+    finally:
+        with deferred():
+            try:
+                os.rmdir(probe)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise _root_error(root, exc, "remove its own probe directory from") from exc
+            finally:
+                if fd is not None:
+                    close_quietly(fd)
 
 
 def _root_error(root: Path, exc: OSError, doing: str) -> StagingError:
@@ -345,7 +372,7 @@ def write_unstaged(write: Callable[[str], None], dest: Path, settings: Settings)
         try:
             os.fsync(fd)
         finally:
-            os.close(fd)
+            close_quietly(fd)
         fsync_directory(dest.parent)
     seconds = time.perf_counter() - started
     return PublishRecord(dest, os.stat(dest).st_size, "unstaged", seconds, seconds, 0.0)

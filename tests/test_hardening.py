@@ -426,15 +426,21 @@ def _outcome(action: Any) -> tuple[str, Any]:
 
 
 def _tree(top: Path) -> dict[str, str]:
+    """Every entry under ``top``: its type, and a regular file's size and digest."""
+    import hashlib
+
     found = {}
     for path in sorted(top.rglob("*")):
-        rel = str(path.relative_to(top))
-        if path.is_symlink():
+        rel = os.fsencode(path.relative_to(top)).hex() if "\n" in str(path) else str(path.relative_to(top))
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
             found[rel] = "link->" + os.readlink(path)
-        elif path.is_dir():
+        elif stat.S_ISDIR(info.st_mode):
             found[rel] = "dir"
+        elif stat.S_ISREG(info.st_mode):
+            found[rel] = f"file:{info.st_size}:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
         else:
-            found[rel] = f"file:{path.stat().st_size}"
+            found[rel] = f"special:{stat.S_IFMT(info.st_mode):o}"
     return found
 
 
@@ -444,6 +450,10 @@ def _make_paths_world(top: Path) -> None:
     (top / "work" / "link").symlink_to("../elsewhere/deep")
     (top / "work" / "ckpt").mkdir()
     (top / "work" / "afile.safetensors").write_bytes(b"not a directory")
+    os.mkfifo(top / "work" / "fifo.safetensors")
+    os.mknod(top / "work" / "dev.safetensors", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    (top / "work" / "dangling.safetensors").symlink_to("nowhere/x.safetensors")
+    (top / "work" / "tofile.safetensors").symlink_to("afile.safetensors")
 
 
 PATH_CASES = [
@@ -457,6 +467,18 @@ PATH_CASES = [
     "./ckpt/../ckpt//model.safetensors",
     "link/model.safetensors",
     "afile.safetensors/x.safetensors",
+    "fifo.safetensors",  # a FIFO at the final name: replaced by a regular file
+    "dev.safetensors",  # a character device there: the same
+    "dangling.safetensors",  # a dangling symlink: replaced by a regular file
+    "tofile.safetensors",  # a symlink to a file: replaced, its target kept
+    ".hidden.safetensors",
+    ".tmpAbc123",  # named like safetensors' own temp file
+    "new\nline.safetensors",
+    "trailing-newline.safetensors\n",
+    "caf\udce9.safetensors",  # not UTF-8 (surrogateescape), as on a Latin-1 filesystem
+    "x" * 255,  # NAME_MAX exactly
+    "y" * 256,  # one more: ENAMETOOLONG
+    "ckpt/" + "z" * 240 + ".safetensors",
 ]
 
 
