@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import io
 import logging
 import os
@@ -374,7 +375,6 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
         return known != "direct"
     source = directory / temp_name(RENAME_PROBE)
     target = directory / temp_name(RENAME_PROBE)
-    lock = _TempLock(source)  # cleaners leave a live probe alone, as any temp of ours
     try:
         try:
             fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -383,13 +383,13 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
             return None
         try:
             try:
-                lock.take(fd)
+                _lock_temp(source, fd)  # cleaners leave a live probe alone, as any temp of ours
                 os.write(fd, b"\0")
             finally:
                 os.close(fd)
             os.replace(source, target)
         except Contended:
-            return None  # a cleaner took it before we locked it: no verdict this time
+            return None  # a cleaner took it: no verdict this time
         except OSError as exc:
             if exc.errno not in NOT_SUPPORTED:
                 log.debug("rename probe in %s failed: %s", directory, exc)
@@ -402,7 +402,6 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
         with deferred():  # a Ctrl-C now is raised once both names are gone
             _best_effort_unlink(source)  # a refusal is logged at WARNING with the path
             _best_effort_unlink(target)
-            lock.release()
 
 
 def _remember_direct(key: Hashable, directory: Path, error: OSError) -> None:
@@ -418,17 +417,27 @@ def _remember_direct(key: Hashable, directory: Path, error: OSError) -> None:
 
 def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
     """Copy into a fresh hidden sibling, then os.replace it over ``dest``. Our temp never
-    outlives the call, whatever is raised (a KeyboardInterrupt mid-copy included)."""
+    outlives the call, whatever is raised (a KeyboardInterrupt mid-copy included).
+
+    While it is written the temp is locked (its writing descriptor holds a flock, so cleaners
+    in any PID namespace of this host leave it alone). Between its checked close and the
+    rename it is not, and a cleaner that cannot see our pid (another PID namespace) may take
+    it then: the rename finds it gone, and since the staged copy is still here, we simply
+    copy again under a fresh name.
+    """
     for _ in range(_TEMP_ATTEMPTS):
         temp = dest.parent / temp_name(dest.name)
-        lock = _TempLock(temp)
         try:
             nbytes = copy_to_new_file(
                 staged, temp, flags=os.O_CREAT | os.O_EXCL, mode=mode, fsync=fsync,
-                prepare=lock.take,
+                prepare=functools.partial(_lock_temp, temp),
             )  # fmt: skip
             try:
                 os.replace(temp, dest)
+            except FileNotFoundError as exc:
+                if not dest.parent.is_dir():
+                    raise _StepFailed("rename", exc, dest) from exc
+                raise Contended(str(temp)) from exc  # taken between close and rename
             except OSError as exc:
                 raise _StepFailed("rename", exc, dest) from exc
         except Contended:
@@ -436,6 +445,8 @@ def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
                 _best_effort_unlink(temp)  # a concurrent `safestage clean` took it: a fresh name
             continue
         except _StepFailed as failed:
+            if failed.step == "verify" and failed.error.errno == errno.ENOENT and dest.parent.is_dir():
+                continue  # taken after its close (see above): copy again under a fresh name
             # Exclusive create means the temp is ours: never leave it beside the destination.
             if failed.step != "create":
                 with deferred():
@@ -445,8 +456,6 @@ def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
             with deferred():
                 _best_effort_unlink(temp)
             raise
-        finally:
-            lock.release()
         if fsync:
             fsync_directory(dest.parent)
         return nbytes
@@ -459,35 +468,12 @@ def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
     raise exhausted
 
 
-class _TempLock:
-    """The flock that tells cleaners (in any PID namespace of this host) that our temp is
-    live, held on a read-only descriptor of its own so that it outlasts the checked close()
-    of the writing descriptor until the temp has been renamed."""
-
-    def __init__(self, temp: Path) -> None:
-        self.temp = temp
-        self._fd: Optional[int] = None
-
-    def take(self, write_fd: int) -> None:
-        try:
-            fd = os.open(self.temp, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError as exc:
-            # Gone since we made it (a cleaner took it), or still there but not openable while
-            # it is being written (rclone 1.60 answers ENOENT): only the first is a contention.
-            if not os.path.lexists(self.temp):
-                raise Contended(str(self.temp)) from exc
-            log.debug("cannot lock %s (liveness then goes by name only): %s", self.temp, exc)
-            return
-        except OSError as exc:  # object stores may refuse a reader while the writer is open
-            log.debug("cannot lock %s (liveness then goes by name only): %s", self.temp, exc)
-            return
-        self._fd = fd
-        claim(fd, self.temp)  # raises Contended: the caller starts over with a fresh name
-
-    def release(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            close_quietly(fd)
+def _lock_temp(temp: Path, write_fd: int) -> None:
+    """Lock the temp through its own writing descriptor: no second open (rclone 1.60 stalls
+    5 s opening a reader of a file being written, then answers ENOENT). Raises Contended if
+    a cleaner got to it first; a filesystem without locks leaves it unlocked (its name's host
+    and pid then speak for it)."""
+    claim(write_fd, temp)
 
 
 def _direct(

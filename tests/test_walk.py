@@ -53,6 +53,7 @@ from safestage import PublishError, StagingError
 from safestage._clean import clean
 from safestage._mounts import capabilities
 from safestage._names import parse_stage_dir, parse_temp_name
+from safestage._publish import RENAME_PROBE
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _tap import ERRNO, Tap
@@ -345,7 +346,11 @@ def test_concurrent_clean_at_every_step(places, cleaners, place_name):
         label = f"{place.name} clean at step {step.index} ({step.name} {step.arg})"
         assert outcome is None, f"{label}: a concurrent clean broke the save: {outcome!r}"
         unclaimed = _being_claimed(tap.steps, step.index)
-        assert all(entry["name"] == unclaimed for entry in removed), (
+        assert all(
+            entry["name"] == unclaimed
+            or (unclaimed == "the probe's renamed file" and RENAME_PROBE in entry["name"])
+            for entry in removed
+        ), (
             f"{label}: a cleaner removed live entries: {removed}"
         )
         assert state_of(place.dest) == "new", label
@@ -354,18 +359,27 @@ def test_concurrent_clean_at_every_step(places, cleaners, place_name):
 
 
 def _being_claimed(steps: list[Any], index: int) -> Optional[str]:
-    """The entry (staging directory, or temp file beside the destination) made at most four
-    steps before ``index`` and not locked yet: between its creation and its flock a cleaner
-    may take it, empty (its owner then finds it gone or locked and makes another, losing
-    nothing). That window is the protocol's, not a bug."""
-    for step in reversed(steps[max(0, index - 4) : index + 1]):
-        if step.name == "flock" and step.index < index:
+    """The entry a cleaner may take at step ``index`` by the protocol's design, the owner
+    losing nothing: a staging directory or temp file made at most four steps before and not
+    locked yet (its owner then finds it gone or locked and makes another), or a temp between
+    the checked close of its writing descriptor (which held its lock) and its rename (the
+    rename then finds it gone, and the owner copies again from its staged copy)."""
+    step = steps[index]
+    if step.name in ("stat", "replace") and parse_temp_name(_base(step.arg)) is not None:
+        return _base(step.arg)  # the size check after close, and the rename
+    renamed_probe = [s for s in steps[:index] if s.name == "replace" and RENAME_PROBE in s.arg]
+    if renamed_probe and step.name == "unlink" and RENAME_PROBE in step.arg:
+        return "the probe's renamed file"  # ours to delete right now: whoever does it is fine
+    for earlier in reversed(steps[max(0, index - 4) : index + 1]):
+        if earlier.name == "flock" and earlier.index < index:
             return None
-        if step.name in ("mkdir", "open"):
-            name = step.arg.rstrip("')").rsplit("/", 1)[-1]
-            if name.startswith(("safestage-", ".")):
-                return name
+        if earlier.name in ("mkdir", "open") and _base(earlier.arg).startswith(("safestage-", ".")):
+            return _base(earlier.arg)
     return None
+
+
+def _base(arg: str) -> str:
+    return arg.rstrip("')").rsplit("/", 1)[-1]
 
 
 # -- SIGKILL at every step -----------------------------------------------------------------------
