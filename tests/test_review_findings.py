@@ -136,3 +136,35 @@ def test_a_pool_worker_background_publish_is_lost_when_the_pool_block_ends(tmp_p
         f"and {dest} is not there (destination: {entries(dest.parent)}; staging root: "
         f"{[(d, entries(root / d)) for d in entries(root)]}; stderr: {done.stderr[-300:]!r})"
     )
+
+
+# -- 2. only the first failed background publish is ever reported -----------------------------
+
+TWO_FAILURES = """
+    import sys, torch, safestage
+    from safetensors.torch import save_file
+    a, b, root = sys.argv[1:4]
+    try:
+        with safestage.staged(root, background=True):
+            save_file({"w": torch.ones(64)}, a)
+            save_file({"w": torch.ones(64)}, b)
+    except safestage.PublishError as exc:      # the user handles it: saves that one again
+        print("RETRY", exc.filename)
+"""
+
+
+def test_a_second_failed_background_publish_is_invisible(root, eio_mount):
+    """Two background publishes fail (an upload failing at close). The end of the block raises
+    the first PublishError; the second is "logged at ERROR" into the NullHandler safestage
+    installs, so with logging not configured nothing anywhere mentions it. A program that
+    handles the error it is given (saves that file again) exits 0 believing every other file
+    landed. What the user loses: b.safetensors, silently."""
+    a, b = Path(eio_mount.path) / "a.safetensors", Path(eio_mount.path) / "b.safetensors"
+    done = run_python(TWO_FAILURES, str(a), str(b), str(root))
+    assert "RETRY" in done.stdout, done.stderr
+    assert not b.exists()
+    told = done.stdout + done.stderr
+    assert "b.safetensors" in told, (
+        f"b.safetensors was never published and nothing says so (exit {done.returncode}); "
+        f"stdout {done.stdout!r}, stderr {done.stderr[-300:]!r}"
+    )
