@@ -168,3 +168,47 @@ def test_a_second_failed_background_publish_is_invisible(root, eio_mount):
         f"b.safetensors was never published and nothing says so (exit {done.returncode}); "
         f"stdout {done.stdout!r}, stderr {done.stderr[-300:]!r}"
     )
+
+
+# -- 3. Ctrl-C while a save waits for a background slot ---------------------------------------
+
+
+def _descriptors_into(directory: Path) -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(directory)):
+                found.append(target)
+    return found
+
+
+def test_ctrl_c_while_waiting_for_a_background_slot_orphans_the_staged_copy(root):
+    """background=True, max_pending=1: the second save is serialized, then waits for the
+    first publish to free the slot. A Ctrl-C there (a notebook's "interrupt kernel", a
+    training loop's Ctrl-C) leaves the complete staged copy in a private directory whose
+    descriptor and flock stay open for the life of the process; the KeyboardInterrupt carries
+    no note saying where the copy is (README: a Ctrl-C keeps the staged copy "named in the
+    traceback"), and once the process exits nothing ever sweeps it (it holds a complete
+    file). What the user loses: the save, silently, plus a leaked lock and disk space."""
+    with hostile_mount("slow", mbps=5) as mount:
+        stage = safestage.activate(root, background=True, max_pending=1)
+        try:
+            save_file(tensors(1, numel=1 << 20), str(Path(mount.path) / "a.safetensors"))  # ~0.8 s
+            timer = threading.Timer(0.3, _thread.interrupt_main)
+            timer.start()
+            note: list[str] = []
+            try:
+                save_file(tensors(2), str(Path(mount.path) / "b.safetensors"))
+                pytest.fail("the Ctrl-C did not land while waiting for the slot")
+            except KeyboardInterrupt as exc:
+                note = list(getattr(exc, "__notes__", []))
+            timer.join()
+        finally:
+            stage.close()
+        left = [d for d in entries(root) if entries(root / d)]
+        held = _descriptors_into(root)
+        assert not held, f"descriptors into the staging root still open after close(): {held}"
+        assert not left or any(d in " ".join(note) for d in left), (
+            f"staged copies {left} kept in {root}, and the KeyboardInterrupt says nothing ({note})"
+        )
