@@ -212,3 +212,31 @@ def test_ctrl_c_while_waiting_for_a_background_slot_orphans_the_staged_copy(root
         assert not left or any(d in " ".join(note) for d in left), (
             f"staged copies {left} kept in {root}, and the KeyboardInterrupt says nothing ({note})"
         )
+
+
+# -- 4. a later synchronous save of the same file is overwritten by an older background one ---
+
+
+@pytest.mark.parametrize("later", ["nested-stage", "staged_file"])
+def test_an_older_background_publish_lands_over_a_newer_save_of_the_same_file(root, slow_mount, later):
+    """The run stages with background=True (activate(), or SAFESTAGE_BACKGROUND=1); the same
+    file is then saved again synchronously, by a library's own `with safestage.staged():` or
+    through `safestage.staged_file`. README: "publishes of the same destination run in
+    order" - but only among background publishes: the synchronous one lands at once, and the
+    still-pending older publish replaces it afterwards. What the user loses: the newer
+    checkpoint; the file silently holds the older one."""
+    dest = Path(slow_mount.path) / "model.safetensors"
+    outer = safestage.activate(root, background=True)
+    try:
+        save_file(tensors(1, numel=1 << 20), str(dest))  # v1: 4 MiB, ~0.2 s to publish
+        if later == "nested-stage":
+            with safestage.staged(root):
+                save_file(tensors(2), str(dest))  # v2, saved after v1, returns after publishing
+        else:
+            from safetensors.torch import save as to_bytes
+
+            with safestage.staged_file(dest, root) as local:
+                local.write_bytes(to_bytes(tensors(2)))  # any writer (torch.save, a copy, ...)
+    finally:
+        outer.close()
+    assert loads_as(dest, 2.0), "the older background publish replaced the newer save"
