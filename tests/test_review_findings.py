@@ -240,3 +240,25 @@ def test_an_older_background_publish_lands_over_a_newer_save_of_the_same_file(ro
     finally:
         outer.close()
     assert loads_as(dest, 2.0), "the older background publish replaced the newer save"
+
+
+# -- 5. staged_file around a safetensors save, inside a background stage ----------------------
+
+
+def test_staged_file_around_a_safetensors_save_in_a_background_stage(root, tmp_path):
+    """SAFESTAGE_BACKGROUND=1 for the job, and a helper that publishes every artifact with
+    `staged_file` (README: "any other writer ... with the same strategies and guarantees").
+    The save_file into the yielded local path is itself staged and goes to the background,
+    so `staged_file` finds nothing there yet, deletes the private directory and raises
+    StagingError "nothing was written to ..." - false: something was written, and is still
+    being published into the directory just deleted, which then fails a second time at close.
+    What the user loses: the file, with an error that blames the wrong thing."""
+    dest = tmp_path / "model.safetensors"
+    stage = safestage.activate(root, background=True)
+    try:
+        with safestage.staged_file(dest, root) as local:
+            save_file(tensors(3), str(local))
+    finally:
+        with contextlib.suppress(Exception):
+            stage.close()
+    assert loads_as(dest, 3.0)
