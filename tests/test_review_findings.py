@@ -262,3 +262,49 @@ def test_staged_file_around_a_safetensors_save_in_a_background_stage(root, tmp_p
         with contextlib.suppress(Exception):
             stage.close()
     assert loads_as(dest, 3.0)
+
+
+# -- 6. when="auto" caches "local disk" by device number; FUSE reuses device numbers -----------
+
+
+def test_when_auto_writes_a_fuse_mount_unstaged_after_a_tmpfs_had_its_device_number(root, tmp_path):
+    """when="auto" writes local-disk destinations with the original writer, unstaged, and
+    caches that verdict per st_dev (_mounts.is_local_disk). Anonymous device numbers (tmpfs,
+    FUSE, overlay, btrfs subvolumes) are reused as soon as a mount goes - README says so
+    itself ("FUSE reuses device numbers") and keys the rename verdict per mount, but not this
+    one. Save once to a tmpfs, unmount it, mount an object store (here the kit's close-eio:
+    an upload that fails at close) that gets the same number: the save goes straight to the
+    plain safetensors writer. What the user loses: the previous checkpoint is replaced by a
+    discarded upload (the file is gone) and the error is a bare FileNotFoundError from a
+    chmod, not a PublishError keeping the staged copy."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage = safestage.activate(root, when="auto")
+    try:
+        for _attempt in range(5):
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+            try:
+                local_device = os.stat(mnt).st_dev
+                save_file(tensors(0), str(mnt / "scratch.safetensors"))  # "local": cached
+            finally:
+                subprocess.run(["umount", str(mnt)], check=True)
+            with hostile_mount("close-eio", mnt) as mount:
+                if os.stat(mount.path).st_dev != local_device:
+                    continue  # another mount took the number meanwhile: try again
+                from safetensors.torch import save as to_bytes
+
+                previous = Path(mount.backing) / "model.safetensors"
+                previous.write_bytes(to_bytes(tensors(1)))  # the previous checkpoint
+                error: BaseException | None = None
+                try:
+                    save_file(tensors(2), str(Path(mount.path) / "model.safetensors"))
+                except Exception as exc:
+                    error = exc
+                assert loads_as(previous, 1.0) or loads_as(previous, 2.0), (
+                    f"the previous checkpoint is gone and the new one is not there: the save went "
+                    f"unstaged onto the object store (error: {error!r})"
+                )
+                return
+        pytest.skip("the device number was never reused in 5 attempts (other mounts racing)")
+    finally:
+        stage.close()
