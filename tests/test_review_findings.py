@@ -308,3 +308,59 @@ def test_when_auto_writes_a_fuse_mount_unstaged_after_a_tmpfs_had_its_device_num
         pytest.skip("the device number was never reused in 5 attempts (other mounts racing)")
     finally:
         stage.close()
+
+
+# -- 7. fork() while a publisher thread holds one of the module locks not reset at fork --------
+
+
+@pytest.mark.parametrize("lock", ["capabilities", "local-devices"])
+def test_a_child_forked_while_a_thread_holds_a_safestage_lock_hangs_in_its_first_save(root, tmp_path, lock):
+    """_patch and _background re-create their locks in a forked child, but the per-mount
+    verdict cache (_mounts.capabilities._lock) and the local-disk cache (_mounts._local_lock)
+    are plain threading.Locks that every publish takes (background publisher threads
+    included). A fork() at the moment another thread holds one (a DataLoader or
+    multiprocessing fork worker started while a background publish runs) copies it locked,
+    with no thread to release it: the child's first staged save blocks forever. The holder
+    here is a thread that takes the real lock, standing in for a publisher inside
+    strategy_for() - the window is short, the hang permanent. What the user loses: a worker
+    that never finishes (no error, no timeout)."""
+    from safestage import _mounts
+
+    held_lock = _mounts.capabilities._lock if lock == "capabilities" else _mounts._local_lock
+    when = "auto" if lock == "local-devices" else "always"
+    stage = safestage.activate(root, when=when)
+    held, release = threading.Event(), threading.Event()
+
+    def publisher_inside_the_cache() -> None:
+        with held_lock:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=publisher_inside_the_cache, daemon=True)
+    holder.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            save_file(tensors(5), str(tmp_path / "child.safetensors"))
+            code = 0
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join()
+    try:
+        deadline = time.monotonic() + 5  # a staged save of 16 KiB takes milliseconds
+        status = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in its first save (a lock copied while held)")
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        stage.close()
