@@ -364,3 +364,49 @@ def test_a_child_forked_while_a_thread_holds_a_safestage_lock_hangs_in_its_first
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     finally:
         stage.close()
+
+
+# -- 8. the exit-time report of a lost background publish, with sys.stderr closed --------------
+
+UNCLOSED_THEN = """
+    import io, os, sys, time, torch, safestage
+    from safetensors.torch import save_file
+    dest, root, how = sys.argv[1:4]
+    safestage.activate(root, background=True)      # never closed: exit must report a failure
+    save_file({"w": torch.ones(64)}, dest)
+    if how == "stderr-closed":
+        sys.stderr.close()                         # fd 2 itself stays open (closefd=False)
+    elif how == "both-streams-replaced":
+        sys.__stderr__.close()
+        sys.stderr = io.StringIO()                 # a test harness / a GUI capturing stderr
+    elif how == "os._exit":
+        time.sleep(1)                              # the publish has failed by now
+        os._exit(0)                                # Ray, Megatron, launchers, forked workers
+"""
+
+
+@pytest.mark.parametrize("how", ["stderr-closed", "both-streams-replaced"])
+def test_the_exit_report_of_a_lost_publish_needs_a_python_stderr(root, eio_mount, how):
+    """README: a publish that fails with nobody left to raise it to "is written to stderr
+    whatever the logging setup". _exit_loudly writes to sys.__stderr__ (or sys.stderr) only;
+    when the program closed that object (file descriptor 2 stays open: Python's std streams
+    never close their fd) the message is dropped and the process exits 1 with no word of
+    why. What the user loses: the only record of which checkpoint is missing."""
+    dest = Path(eio_mount.path) / "model.safetensors"
+    done = run_python(UNCLOSED_THEN, str(dest), str(root), how)
+    assert done.returncode != 0
+    assert str(dest) in done.stderr, f"exit {done.returncode}, stderr {done.stderr!r}"
+
+
+def test_a_lost_background_publish_then_os_exit_leaves_no_trace(root, eio_mount):
+    """The background publish fails (EIO at close), the program ends with os._exit(0) as many
+    launchers and workers do. No atexit runs, and the failure was only "logged at ERROR"
+    into safestage's NullHandler: nothing reaches stderr, ever, and the exit status is 0.
+    Whatever the exit path, the moment of failure could report it (stderr when no handler
+    takes the record). What the user loses: the checkpoint, silently."""
+    dest = Path(eio_mount.path) / "model.safetensors"
+    done = run_python(UNCLOSED_THEN, str(dest), str(root), "os._exit")
+    assert not dest.exists()
+    assert done.returncode != 0 or str(dest) in done.stderr, (
+        f"the checkpoint was lost, the program exited {done.returncode} and stderr is {done.stderr!r}"
+    )
