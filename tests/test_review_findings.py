@@ -410,3 +410,40 @@ def test_a_lost_background_publish_then_os_exit_leaves_no_trace(root, eio_mount)
     assert done.returncode != 0 or str(dest) in done.stderr, (
         f"the checkpoint was lost, the program exited {done.returncode} and stderr is {done.stderr!r}"
     )
+
+
+# -- 9. two saves of one file with publish="direct" on a POSIX filesystem ----------------------
+
+
+def test_two_direct_saves_of_one_file_on_a_posix_disk_mix_their_bytes(root, tmp_path):
+    """README: "saves to the same file: the last os.replace wins and the file is always
+    complete". With publish="direct" (SAFESTAGE_PUBLISH=direct, the README's own recipe for
+    object stores, applies to every save of the job) there is no os.replace: two threads (or
+    two ranks) saving the same file open it O_TRUNC and write it at the same time; each checks
+    only the size, which matches, and both return success. What the user loses: the file
+    loads without error with half of one save and half of the other - silently wrong weights
+    (or, other times, a success whose file the other save's clean-up deleted)."""
+    dest = tmp_path / "model.safetensors"
+    numel = 6 << 20  # 24 MiB: six 4 MiB chunks each
+    for trial in range(6):
+        errors: list[BaseException] = []
+
+        def save(tag: float) -> None:
+            try:
+                save_file(tensors(tag, numel), str(dest))
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        with safestage.staged(root, publish="direct"):
+            threads = [threading.Thread(target=save, args=(tag,)) for tag in (1.0, 2.0)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        if not errors:
+            assert loads_as(dest, 1.0) or loads_as(dest, 2.0), (
+                f"trial {trial}: both saves returned success and {dest.name} holds "
+                f"{torch.unique(load_file(str(dest))['w']).tolist() if dest.exists() else 'nothing'}"
+            )
+        elif len(errors) == 1:
+            assert dest.exists(), f"trial {trial}: one save succeeded, yet {dest.name} is gone ({errors[0]})"
