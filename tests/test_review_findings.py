@@ -447,3 +447,23 @@ def test_two_direct_saves_of_one_file_on_a_posix_disk_mix_their_bytes(root, tmp_
             )
         elif len(errors) == 1:
             assert dest.exists(), f"trial {trial}: one save succeeded, yet {dest.name} is gone ({errors[0]})"
+
+
+# -- 10. direct writes through a symlink at the final name ------------------------------------
+
+
+def test_direct_writes_through_a_symlink_at_the_final_name(root, tmp_path):
+    """`latest.safetensors -> step-1000.safetensors` is a common layout. A plain safetensors
+    save of latest.safetensors (and publish="replace"/"rename") replaces the link with the
+    new file, leaving step-1000 alone; README and _paths say so ("a symlink there is
+    replaced, as safetensors 0.8 does"). publish="direct" opens the final name O_TRUNC,
+    following the link. What the user loses: step-1000.safetensors, overwritten with the new
+    weights (the link still points at it; the old checkpoint is gone)."""
+    older = tmp_path / "step-1000.safetensors"
+    save_file(tensors(1000), str(older))
+    latest = tmp_path / "latest.safetensors"
+    latest.symlink_to(older.name)
+    with safestage.staged(root, publish="direct"):
+        save_file(tensors(2000), str(latest))
+    assert loads_as(older, 1000.0), "the symlink's target (an older checkpoint) was overwritten"
+    assert not latest.is_symlink() and loads_as(latest, 2000.0)
