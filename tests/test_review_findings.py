@@ -467,3 +467,25 @@ def test_direct_writes_through_a_symlink_at_the_final_name(root, tmp_path):
         save_file(tensors(2000), str(latest))
     assert loads_as(older, 1000.0), "the symlink's target (an older checkpoint) was overwritten"
     assert not latest.is_symlink() and loads_as(latest, 2000.0)
+
+
+# -- 11. safestage doctor leaves its own failed staged copy behind ----------------------------
+
+
+def test_doctor_leaves_its_failed_staged_copy_when_the_root_is_given_through_a_symlink(root, tmp_path, eio_mount):
+    """README: doctor "removes its probe directory and touches nothing else". On a
+    destination where the staged save fails (the close-eio upload), the publish keeps its
+    complete staged copy and doctor means to delete it, but only if the copy's directory is
+    textually under settings.staging_root(); the StagingArea root is the kernel's path. With
+    --dir (or SAFESTAGE_DIR) given through a symlink (/scratch -> /local/nvme/scratch), the
+    copy stays - a complete file, so no sweep or `safestage clean` ever removes it - while
+    the report says cleanup removed=True. What the user loses: disk space in the staging
+    root, one probe at a time, with nothing saying so."""
+    given = tmp_path / "scratch-link"
+    given.symlink_to(root)
+    from safestage._doctor import run_doctor
+
+    report = run_doctor(Path(eio_mount.path), root=given)
+    assert report.staged_save.result == "failed" and report.cleanup.removed
+    left = [(d, entries(root / d)) for d in entries(root)]
+    assert not left, f"doctor said cleanup removed=True but left {left} in the staging root"
