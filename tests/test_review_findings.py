@@ -489,3 +489,67 @@ def test_doctor_leaves_its_failed_staged_copy_when_the_root_is_given_through_a_s
     assert report.staged_save.result == "failed" and report.cleanup.removed
     left = [(d, entries(root / d)) for d in entries(root)]
     assert not left, f"doctor said cleanup removed=True but left {left} in the staging root"
+
+
+# -- 12. the staging root is still normalized as text ------------------------------------------
+
+
+def test_the_staging_root_is_normalized_as_text(tmp_path):
+    """The destination is resolved by the kernel (issue 9: "paths normalized as text"), the
+    staging root is not: _config.parse_root applies os.path.abspath, which drops `link/..`
+    as text. `SAFESTAGE_DIR=/scratch/nvme/../stage` with nvme -> /mnt/nvme0/user stages in
+    /scratch/stage - another directory, maybe another filesystem (or refused as "does not
+    exist" though the path the user gave exists). What the user loses: staging lands where
+    they did not ask (a slow or small disk, a shared directory), or staging is off."""
+    (tmp_path / "real" / "deep").mkdir(parents=True)
+    (tmp_path / "real" / "stage").mkdir()  # the kernel's answer for link/../stage
+    (tmp_path / "stage").mkdir()  # what abspath answers
+    (tmp_path / "link").symlink_to("real/deep")
+    given = f"{tmp_path}/link/../stage"
+    assert os.path.samefile(given, tmp_path / "real" / "stage")
+    stage = safestage.activate(given)
+    try:
+        used = stage._area.root  # noqa: SLF001 - where the private directories are made
+    finally:
+        stage.close()
+    assert os.path.samefile(used, tmp_path / "real" / "stage"), f"staging in {used}, not in {given}"
+
+
+# -- 13. doctor probe directories carry no lock ------------------------------------------------
+
+SLOW_DOCTOR = """
+    import json, sys
+    from pathlib import Path
+    from safestage._doctor import run_doctor
+    report = run_doctor(Path(sys.argv[1]), root=Path(sys.argv[2]))
+    print(json.dumps({"verdict": report.verdict, "problems": report.problems}))
+"""
+
+
+def test_clean_from_another_pid_namespace_removes_a_running_doctors_probe(root, tmp_path):
+    """README: "A live owner holds a flock on its staging directory and on its temp file, so
+    an entry that cannot be locked is in use, also by a process in another PID namespace".
+    `safestage doctor`'s probe directory (.safestage-doctor-<host>-<pid>-<token>) is never
+    locked, so a `safestage clean` of the same directory from a container (another PID
+    namespace, where the doctor's pid does not exist) takes the lock nobody holds, decides
+    "its owner is gone" and removes the probe mid-run. What the user loses: a correct
+    diagnosis - doctor then reports ENOENT failures and calls a healthy mount "unsafe"."""
+    with hostile_mount("slow", mbps=0.2) as mount:  # a slow mount: doctor runs for seconds
+        target = Path(mount.path) / "ckpt"
+        target.mkdir()
+        base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+        doctor = subprocess.Popen([PY, "-c", textwrap.dedent(SLOW_DOCTOR), str(target), str(root)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base)  # fmt: skip
+        deadline = time.monotonic() + 15
+        while not any(n.startswith(".safestage-doctor-") for n in os.listdir(target)):
+            assert time.monotonic() < deadline and doctor.poll() is None, "doctor never made its probe"
+            time.sleep(0.01)
+        time.sleep(0.2)
+        cleaned = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", PY, "-m", "safestage", "clean", str(target)],
+            capture_output=True, text=True, timeout=30, env=base,
+        )  # fmt: skip
+        out, err = doctor.communicate(timeout=60)
+    report = json.loads(out)
+    assert "removed" not in cleaned.stdout.split("\n")[0], f"clean removed a live probe: {cleaned.stdout}"
+    assert report["verdict"] == "plain-ok", report
