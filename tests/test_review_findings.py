@@ -553,3 +553,48 @@ def test_clean_from_another_pid_namespace_removes_a_running_doctors_probe(root, 
     report = json.loads(out)
     assert "removed" not in cleaned.stdout.split("\n")[0], f"clean removed a live probe: {cleaned.stdout}"
     assert report["verdict"] == "plain-ok", report
+
+
+# -- 14. safestage clean on a directory it cannot list ------------------------------------------
+
+
+def test_clean_on_an_unreadable_directory_is_a_traceback(tmp_path):
+    """`safestage clean PATH` where PATH exists but cannot be listed (another user's
+    checkpoint directory, a mount that refuses readdir) dies with a Python traceback from
+    os.scandir instead of the CLI's own one-line error and status; scripts that parse its
+    --json output get no JSON. (Root bypasses the permission: the test drops the
+    capabilities that let it.) What the user loses: a clear error; cron jobs log a crash."""
+    locked = tmp_path / "theirs"
+    locked.mkdir(mode=0o000)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    done = subprocess.run(
+        ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search",
+         PY, "-m", "safestage", "clean", "--json", str(locked)],
+        capture_output=True, text=True, timeout=60, env=base,
+    )  # fmt: skip
+    locked.chmod(0o700)
+    assert done.returncode in (1, 2), done
+    assert "Traceback" not in done.stderr, done.stderr[-600:]
+
+
+# -- 15. @staged on a generator or coroutine function stages nothing -----------------------------
+
+
+def test_staged_as_a_decorator_on_a_generator_function_stages_nothing(root):
+    """README: "As a decorator: @safestage.staged(...) stages every call of the function."
+    ContextDecorator closes the stage when the call returns - for a generator function (a
+    training loop yielding metrics, a checkpoint iterator) or an `async def`, that is before
+    its body runs, so every save inside it is unstaged. On HDFS FUSE the plain writer fails
+    (ENOSYS); on an object store whose upload fails at close it reports success and loses
+    the file. What the user loses: every checkpoint the decorated loop writes."""
+    with hostile_mount("hdfs") as mount:
+        dest = Path(mount.path) / "model.safetensors"
+
+        @safestage.staged(root)
+        def train() -> Iterator[int]:
+            for step in range(1):
+                save_file(tensors(step + 1), str(dest))
+                yield step
+
+        list(train())  # safetensors raises ENOSYS from ftruncate: the save was not staged
+        assert loads_as(dest, 1.0)
