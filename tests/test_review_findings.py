@@ -598,3 +598,40 @@ def test_staged_as_a_decorator_on_a_generator_function_stages_nothing(root):
 
         list(train())  # safetensors raises ENOSYS from ftruncate: the save was not staged
         assert loads_as(dest, 1.0)
+
+
+# -- 16. a directory whose name ends in " (deleted)" ---------------------------------------------
+
+
+def test_a_directory_named_like_a_deleted_one_is_saved_unstaged(root):
+    """_paths.real_directory reads /proc/self/fd/N and treats a path ending in " (deleted)"
+    as a removed directory, so resolve_destination returns None and the save goes to the
+    original writer, unstaged. A real directory can have that name ("run 7 (deleted)",
+    a restored folder). On HDFS FUSE the plain writer then fails with ENOSYS; on an object
+    store that fails at close it loses the file silently. What the user loses: staging, for
+    every save into that directory, without a word (the check could fstat the descriptor:
+    st_nlink == 0 means removed)."""
+    with hostile_mount("hdfs") as mount:
+        directory = Path(mount.path) / "run 7 (deleted)"
+        directory.mkdir()
+        with safestage.staged(root) as stage:
+            save_file(tensors(7), str(directory / "model.safetensors"))  # ENOSYS: unstaged
+        assert [r.strategy for r in stage.records] == ["replace"]
+        assert loads_as(directory / "model.safetensors", 7.0)
+
+
+# -- 17. staged_file under a path whose parent is a file ----------------------------------------
+
+
+def test_staged_file_under_a_regular_file_reports_enoent_not_enotdir(root, tmp_path):
+    """_checked_destination promises "the error a plain open would give"; open() of
+    `afile/x` where afile is a regular file fails with ENOTDIR. staged_file raises
+    PublishError(ENOENT, "the directory of ... does not exist (or is not a directory): create
+    it"), advice that makes the user try `mkdir -p` over an existing file. Cosmetic."""
+    (tmp_path / "afile").write_bytes(b"not a directory")
+    with pytest.raises(OSError) as plain:
+        open(tmp_path / "afile" / "x.bin", "wb")  # noqa: SIM115
+    with pytest.raises(OSError) as staged:
+        with safestage.staged_file(tmp_path / "afile" / "x.bin", root) as local:
+            local.write_bytes(b"data")
+    assert staged.value.errno == plain.value.errno == errno.ENOTDIR, str(staged.value)
