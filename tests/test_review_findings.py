@@ -635,3 +635,36 @@ def test_staged_file_under_a_regular_file_reports_enoent_not_enotdir(root, tmp_p
         with safestage.staged_file(tmp_path / "afile" / "x.bin", root) as local:
             local.write_bytes(b"data")
     assert staged.value.errno == plain.value.errno == errno.ENOTDIR, str(staged.value)
+
+
+# -- 18. Ctrl-C during the directory fsync, after the file is published --------------------------
+
+
+def test_ctrl_c_after_the_replace_keeps_a_needless_copy_and_says_the_publish_was_interrupted(root, tmp_path):
+    """publish="replace" with fsync: the temp is os.replace'd over the final name, then the
+    directory is fsync'ed (on HDFS FUSE or NFS that takes a while). A Ctrl-C there: the new
+    file IS at its destination, but publish_staged sees its staged copy still present, keeps
+    it, and notes "interrupted while publishing <dest>; the complete staged copy is kept".
+    The copy holds a complete file, so no sweep or clean will ever remove it. What the user
+    loses: disk space in the staging root, and a note that makes them believe the
+    destination is stale. (The fault is injected with tests/_tap.py: a Ctrl-C cannot be timed
+    to one syscall otherwise.)"""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tap import Tap
+
+    def save(name: str, tap: Tap) -> None:
+        with safestage.staged(root, publish="replace"), tap:
+            save_file(tensors(9), str(tmp_path / name))
+
+    dry = Tap()
+    save("dry.safetensors", dry)
+    replaced = next(s.index for s in dry.steps if s.name == "replace")
+    fsync_dir = next(s.index for s in dry.steps[replaced:] if s.name == "open" and s.module == "safestage._publish")
+    notes: list[str] = []
+    try:
+        save("model.safetensors", Tap(at=fsync_dir, action="interrupt"))
+    except KeyboardInterrupt as exc:
+        notes = list(getattr(exc, "__notes__", []))
+    assert loads_as(tmp_path / "model.safetensors", 9.0), "the publish had completed"
+    kept = [(d, entries(root / d)) for d in entries(root)]
+    assert not kept, f"a copy of an already published file is kept forever: {kept}; note: {notes}"
