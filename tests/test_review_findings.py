@@ -668,3 +668,41 @@ def test_ctrl_c_after_the_replace_keeps_a_needless_copy_and_says_the_publish_was
     assert loads_as(tmp_path / "model.safetensors", 9.0), "the publish had completed"
     kept = [(d, entries(root / d)) for d in entries(root)]
     assert not kept, f"a copy of an already published file is kept forever: {kept}; note: {notes}"
+
+
+# -- 19. direct over a file this process has mapped: unlink first, then fail -------------------
+
+
+def test_direct_over_a_loaded_file_deletes_it_then_fails_and_says_untouched(root, tmp_path):
+    """To protect tensors loaded from the old file (safetensors#762), _direct unlinks the
+    final name before creating a new inode. An unlinked file that is still mapped keeps its
+    inode, so on a filesystem out of inodes (a real 2 MiB tmpfs with nr_inodes=3 here; the
+    same happens with any create failure: EACCES, EDQUOT, EEXIST from a concurrent writer, a
+    staging read error) the O_EXCL create fails after the old file is gone - and the
+    PublishError, built for the "create" step, says "<dest> still holds its previous file
+    (untouched)". A plain O_TRUNC overwrite would have succeeded in place. What the user
+    loses: the previous checkpoint, while being told it is intact."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,nr_inodes=3", "tmpfs", str(mnt)], check=True)
+    try:
+        dest = mnt / "model.safetensors"
+        with safestage.staged(root, publish="direct"):
+            save_file(tensors(1), str(dest))  # the previous checkpoint
+        with contextlib.suppress(OSError):
+            for n in range(8):
+                (mnt / f"other-{n}").touch()  # the filesystem's last inodes
+        loaded = load_file(str(dest))  # mapped by this process
+        message = ""
+        try:
+            with safestage.staged(root, publish="direct"):
+                save_file(tensors(2), str(dest))
+        except OSError as exc:
+            message = str(exc)
+        assert dest.exists() or "still holds its previous file" not in message, (
+            f"{dest.name} is gone, and the error says: {message}"
+        )
+        assert dest.exists(), f"the previous checkpoint was deleted by a save that failed: {message}"
+        del loaded
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
