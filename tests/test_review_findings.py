@@ -706,3 +706,40 @@ def test_direct_over_a_loaded_file_deletes_it_then_fails_and_says_untouched(root
         del loaded
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# -- 20. safestage run swallows a SIGINT sent to it ----------------------------------------------
+
+SLEEPER = """
+import sys, time
+print("ready", flush=True)
+try:
+    time.sleep(4)
+    print("slept through", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_safestage_run_swallows_a_sigint_sent_to_it(tmp_path, root):
+    """`safestage run -- CMD` ignores SIGINT while CMD runs, assuming Ctrl-C reaches CMD from
+    the terminal's process group. A SIGINT sent to the `safestage run` process itself - docker
+    stop with STOPSIGNAL SIGINT (it is PID 1), a supervisor's or scheduler's graceful stop,
+    Jupyter's "interrupt kernel", `kill -INT` - is dropped: CMD never learns it should stop
+    and checkpoint, and is SIGKILLed at the end of the grace period. SIGTERM and SIGHUP are
+    forwarded; SIGINT is not. What the user loses: the graceful shutdown (its last checkpoint)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    runner = subprocess.Popen(
+        [PY, "-m", "safestage", "run", "--dir", str(root), "--", PY, "-c", SLEEPER],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base,
+        start_new_session=True,  # no terminal: the signal comes from another process
+    )  # fmt: skip
+    try:
+        assert runner.stdout.readline().strip() == "ready"
+        runner.send_signal(signal.SIGINT)
+        out, err = runner.communicate(timeout=15)
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+    assert "interrupted" in out, f"CMD never saw the SIGINT sent to safestage run: {out!r} {err[-300:]!r}"
