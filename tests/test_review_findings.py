@@ -743,3 +743,24 @@ def test_safestage_run_swallows_a_sigint_sent_to_it(tmp_path, root):
         if runner.poll() is None:
             os.killpg(runner.pid, signal.SIGKILL)
     assert "interrupted" in out, f"CMD never saw the SIGINT sent to safestage run: {out!r} {err[-300:]!r}"
+
+
+# -- 21. safestage clean prints a non-UTF-8 leftover name with a strict stdout ------------------
+
+
+def test_clean_output_crashes_on_a_non_utf8_leftover_name(tmp_path):
+    """A killed save of `caf\\xe9.safetensors` (a Latin-1 name, which test_hardening stages
+    fine) leaves `.caf\\xe9.safetensors.safestage-<host>-<pid>-<token>.tmp`. `safestage clean`
+    removes it, then prints the name: under a UTF-8 locale other than C (en_US.UTF-8, here
+    forced with PYTHONIOENCODING=utf-8) stdout is strict and the print raises
+    UnicodeEncodeError: a traceback, exit 1, no summary. What the user loses: the report of
+    what was removed (cron mails a crash)."""
+    from safestage._names import HOST
+
+    name = b".caf\xe9.safetensors.safestage-" + HOST.encode() + b"-999999-deadbeef.tmp"
+    (Path(os.fsdecode(bytes(tmp_path))) / os.fsdecode(name)).write_bytes(b"torn")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    done = subprocess.run([PY, "-m", "safestage", "clean", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, env={**base, "PYTHONIOENCODING": "utf-8"})  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr[-400:]
+    assert done.returncode == 0 and "1 removed" in done.stdout
