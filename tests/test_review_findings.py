@@ -656,15 +656,18 @@ def test_ctrl_c_after_the_replace_keeps_a_needless_copy_and_says_the_publish_was
         with safestage.staged(root, publish="replace"), tap:
             save_file(tensors(9), str(tmp_path / name))
 
+    save("warm.safetensors", Tap())
     dry = Tap()
     save("dry.safetensors", dry)
     replaced = next(s.index for s in dry.steps if s.name == "replace")
     fsync_dir = next(s.index for s in dry.steps[replaced:] if s.name == "open" and s.module == "safestage._publish")
     notes: list[str] = []
+    tap = Tap(at=fsync_dir, action="interrupt")
     try:
-        save("model.safetensors", Tap(at=fsync_dir, action="interrupt"))
+        save("model.safetensors", tap)
     except KeyboardInterrupt as exc:
         notes = list(getattr(exc, "__notes__", []))
+    assert tap.fired is not None and tap.fired.name == "open" and str(tmp_path) in tap.fired.arg
     assert loads_as(tmp_path / "model.safetensors", 9.0), "the publish had completed"
     kept = [(d, entries(root / d)) for d in entries(root)]
     assert not kept, f"a copy of an already published file is kept forever: {kept}; note: {notes}"
@@ -764,3 +767,35 @@ def test_clean_output_crashes_on_a_non_utf8_leftover_name(tmp_path):
                           text=True, timeout=60, env={**base, "PYTHONIOENCODING": "utf-8"})  # fmt: skip
     assert "Traceback" not in done.stderr, done.stderr[-400:]
     assert done.returncode == 0 and "1 removed" in done.stdout
+
+
+# -- 22. a child forked while the main thread defers Ctrl-C ignores Ctrl-C forever -------------
+
+
+def test_a_child_forked_during_a_deferred_clean_up_never_sees_ctrl_c(root, tmp_path):
+    """_interrupts.deferred() swaps SIGINT's handler for one that only notes the signal while
+    a clean-up runs in the main thread. A fork() from another thread at that moment
+    (multiprocessing's Pool re-forks workers from its handler thread; test_walk forks the
+    same way) copies that handler into the child, whose forking thread becomes its main
+    thread; nothing ever restores it there. What the user loses: Ctrl-C in that worker is
+    noted into a list nobody reads - the worker never stops. (The fork is timed with
+    tests/_tap.py at the clean-up's rmtree, the step test_walk forks at.)"""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tap import Tap
+
+    def save(name: str, tap: Tap) -> None:
+        with safestage.staged(root), tap:
+            save_file(tensors(1), str(tmp_path / name))
+
+    save("warm.safetensors", Tap())  # the rename probe runs once per filesystem
+    dry = Tap()
+    save("dry.safetensors", dry)
+    at = next(s.index for s in dry.steps if s.name == "rmtree" and s.thread == "MainThread")
+    tap = Tap(at=at, action="fork")
+    tap.child = lambda: 0 if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 3
+    save("model.safetensors", tap)
+    assert tap.forked is not None, "the fork did not happen"
+    _, status = os.waitpid(tap.forked, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
+        "the forked child's SIGINT handler is safestage's deferral note, not KeyboardInterrupt"
+    )
