@@ -799,3 +799,41 @@ def test_a_child_forked_during_a_deferred_clean_up_never_sees_ctrl_c(root, tmp_p
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
         "the forked child's SIGINT handler is safestage's deferral note, not KeyboardInterrupt"
     )
+
+
+# -- 23. Ctrl-C twice while the interpreter waits for pending publishes at exit ----------------
+
+ENDS_WITH_A_PENDING_PUBLISH = """
+    import sys, torch, safestage
+    from safetensors.torch import save_file
+    safestage.activate(sys.argv[2], background=True)
+    save_file({"w": torch.ones(4 << 20)}, sys.argv[1])   # 16 MiB at 5 MB/s: ~3 s to publish
+    print("main done", flush=True)
+"""
+
+
+def test_ctrl_c_twice_while_exit_waits_for_a_publish_exits_0_and_loses_it(root):
+    """README: "at interpreter exit pending publishes are completed, never dropped" and "a
+    program that lost a checkpoint never exits 0". The program ends while a background
+    publish runs; the user, seeing it hang at exit, presses Ctrl-C: the first lands in
+    concurrent.futures' join (ignored), the second in safestage's own at-exit wait, which
+    catches BaseException and returns quietly. The interpreter then exits 0 and kills the
+    publisher thread mid-copy. What the user loses: the checkpoint (a temp is left beside
+    it, the complete copy unnamed in the staging root), with exit status 0 and no message."""
+    with hostile_mount("slow", mbps=5) as mount:
+        dest = Path(mount.path) / "model.safetensors"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+        program = subprocess.Popen([PY, "-c", textwrap.dedent(ENDS_WITH_A_PENDING_PUBLISH), str(dest), str(root)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base)  # fmt: skip
+        assert program.stdout.readline().strip() == "main done"
+        time.sleep(0.5)
+        program.send_signal(signal.SIGINT)  # lands in concurrent.futures' _python_exit join
+        time.sleep(0.5)
+        program.send_signal(signal.SIGINT)  # lands in safestage's _complete_at_exit
+        _, err = program.communicate(timeout=60)
+        time.sleep(0.5)
+        landed = loads_as(dest, 1.0)
+        listing = entries(Path(mount.path))
+    assert landed or (program.returncode != 0 and str(dest) in err), (
+        f"exit {program.returncode}, destination {listing}, stderr tail {err[-200:]!r}"
+    )
