@@ -837,3 +837,29 @@ def test_ctrl_c_twice_while_exit_waits_for_a_publish_exits_0_and_loses_it(root):
     assert landed or (program.returncode != 0 and str(dest) in err), (
         f"exit {program.returncode}, destination {listing}, stderr tail {err[-200:]!r}"
     )
+
+
+# -- 24. staged_file publishes a symlink the writer left at the local path ----------------------
+
+
+def test_staged_file_with_rename_publishes_the_writers_symlink_and_chmods_its_target(tmp_path):
+    """A writer that links instead of copying (shutil.copy2(..., follow_symlinks=False) of a
+    cached file, a hub download into local_dir) leaves a symlink at the path staged_file
+    yielded. With the staging root on the destination's filesystem (`rename`), publish
+    chmods the link's TARGET to the destination's mode and renames the link itself into
+    place: the "published" checkpoint is a symlink into the cache, not a file (`replace`
+    copies the bytes instead). What the user loses: the checkpoint, as soon as the cache is
+    cleaned; and the cache file's mode is changed behind their back (0444 -> 0644)."""
+    root = tmp_path / "scratch"
+    root.mkdir()
+    cache = tmp_path / "cache" / "blob"
+    cache.parent.mkdir()
+    cache.write_bytes(b"weights" * 1000)
+    cache.chmod(0o444)
+    dest = tmp_path / "ckpt" / "optimizer.bin"
+    dest.parent.mkdir()
+    with safestage.staged_file(dest, root) as local:
+        os.symlink(cache, local)
+    assert oct(cache.stat().st_mode & 0o777) == "0o444", "publish chmod'ed the cache file"
+    cache.unlink()  # the cache is cleaned
+    assert not dest.is_symlink() and dest.read_bytes() == b"weights" * 1000
