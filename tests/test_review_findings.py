@@ -863,3 +863,20 @@ def test_staged_file_with_rename_publishes_the_writers_symlink_and_chmods_its_ta
     assert oct(cache.stat().st_mode & 0o777) == "0o444", "publish chmod'ed the cache file"
     cache.unlink()  # the cache is cleaned
     assert not dest.is_symlink() and dest.read_bytes() == b"weights" * 1000
+
+
+# -- 25. safestage clean on a symlink loop ---------------------------------------------------------
+
+
+def test_clean_on_a_symlink_loop_says_it_does_not_exist(tmp_path):
+    """`safestage clean PATH` where PATH is a symlink loop (a broken `latest` link chain)
+    answers "PATH does not exist: give the directory to clean" - it exists; it cannot be
+    resolved (ELOOP). The CLI tests pathlib's is_dir()/exists(), which turn every OSError
+    into False. Cosmetic: the user is sent looking for a missing directory."""
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    done = subprocess.run([PY, "-m", "safestage", "clean", str(tmp_path / "a")],
+                          capture_output=True, text=True, timeout=60, env=base)  # fmt: skip
+    assert done.returncode == 2
+    assert "does not exist" not in done.stderr, done.stderr
