@@ -880,3 +880,43 @@ def test_clean_on_a_symlink_loop_says_it_does_not_exist(tmp_path):
                           capture_output=True, text=True, timeout=60, env=base)  # fmt: skip
     assert done.returncode == 2
     assert "does not exist" not in done.stderr, done.stderr
+
+
+# -- 26. rename: the staged file is chmod'ed before it is opened for fsync -----------------------
+
+WRITE_ONLY_DEST = """
+    import os, sys, torch, safestage
+    from safetensors.torch import save_file
+    dest, root = sys.argv[1:3]
+    save_file({"w": torch.zeros(4)}, dest)
+    os.chmod(dest, 0o200)                       # an existing write-only file (a drop box)
+    save_file({"w": torch.zeros(4)}, dest)      # a plain safetensors save works here
+    os.chmod(dest, 0o200)
+    with safestage.staged(root):
+        save_file({"w": torch.ones(4)}, dest)
+    print("staged ok")
+"""
+
+
+def test_rename_fails_over_a_write_only_file_a_plain_save_replaces(tmp_path):
+    """With the staging root on the destination's filesystem (`rename`), _rename_into_place
+    chmods the staged file to the destination's mode (0200 here) and THEN opens it O_RDONLY
+    to fsync it: EACCES for any user but root. The save fails with "This process may not
+    write in the destination directory: fix its permissions" - wrong: the directory is
+    writable and a plain save of the same file works. What the user loses: the save, with
+    advice that sends them to the wrong place. (fsync before chmod, or fsync the fd the
+    writer's copy had, fixes it.)"""
+    import shutil
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="safestage-review-"))  # pytest's tmp is 0700 root
+    try:
+        work.chmod(0o755)
+        (work / "root").mkdir()
+        (work / "dst").mkdir()
+        subprocess.run(["chown", "-R", "65534:65534", str(work)], check=True)
+        done = run_python(WRITE_ONLY_DEST, str(work / "dst" / "model.safetensors"), str(work / "root"),
+                          prefix=["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"])  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert "staged ok" in done.stdout, done.stderr[-500:]
