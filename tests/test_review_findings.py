@@ -920,3 +920,18 @@ def test_rename_fails_over_a_write_only_file_a_plain_save_replaces(tmp_path):
     finally:
         shutil.rmtree(work, ignore_errors=True)
     assert "staged ok" in done.stdout, done.stderr[-500:]
+
+
+# -- 27. the start-up hook imports wrapt (and asyncio) eagerly ------------------------------------
+
+
+def test_the_start_up_hook_imports_wrapt_eagerly(root):
+    """README (Environment): with a SAFESTAGE variable set the hook "imports no torch,
+    safetensors or wrapt eagerly but patches when the program first imports
+    safetensors.torch". Activation registers the post-import hooks through wrapt, so every
+    Python process of the job imports wrapt - and with it asyncio - at start-up (~80 ms of
+    the ~0.3 s the hook adds to `python -c pass` here), including the many processes that
+    never save. Documentation promises more than the code does."""
+    done = run_python("import sys; print('wrapt' in sys.modules, 'asyncio' in sys.modules)",
+                      env={"SAFESTAGE_DIR": str(root)})  # fmt: skip
+    assert done.stdout.split() == ["False", "False"], (done.stdout, done.stderr[-300:])
