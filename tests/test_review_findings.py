@@ -254,10 +254,12 @@ def test_staged_file_around_a_safetensors_save_in_a_background_stage(root, tmp_p
     being published into the directory just deleted, which then fails a second time at close.
     What the user loses: the file, with an error that blames the wrong thing."""
     dest = tmp_path / "model.safetensors"
-    stage = safestage.activate(root, background=True)
+    job_root = tmp_path / "job-root"  # the job's staging root, on another device than `root`
+    job_root.mkdir()
+    stage = safestage.activate(job_root, background=True)
     try:
         with safestage.staged_file(dest, root) as local:
-            save_file(tensors(3), str(local))
+            save_file(tensors(3, numel=16 << 20), str(local))  # 64 MiB: its publish takes a while
     finally:
         with contextlib.suppress(Exception):
             stage.close()
@@ -428,10 +430,10 @@ def test_two_direct_saves_of_one_file_on_a_posix_disk_mix_their_bytes(root, tmp_
     for trial in range(20):  # bounded retry: a trial mixes about half the time
         errors: list[BaseException] = []
 
-        def save(tag: float) -> None:
+        def save(tag: float, errors: list[BaseException] = errors) -> None:
             try:
                 save_file(tensors(tag, numel), str(dest))
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 errors.append(exc)
 
         with safestage.staged(root, publish="direct"):
@@ -509,7 +511,7 @@ def test_the_staging_root_is_normalized_as_text(tmp_path):
     assert os.path.samefile(given, tmp_path / "real" / "stage")
     stage = safestage.activate(given)
     try:
-        used = stage._area.root  # noqa: SLF001 - where the private directories are made
+        used = stage._area.root  # where the private directories are made
     finally:
         stage.close()
     assert os.path.samefile(used, tmp_path / "real" / "stage"), f"staging in {used}, not in {given}"
@@ -549,7 +551,7 @@ def test_clean_from_another_pid_namespace_removes_a_running_doctors_probe(root, 
             ["unshare", "--pid", "--fork", "--mount-proc", PY, "-m", "safestage", "clean", str(target)],
             capture_output=True, text=True, timeout=30, env=base,
         )  # fmt: skip
-        out, err = doctor.communicate(timeout=60)
+        out, _ = doctor.communicate(timeout=60)
     report = json.loads(out)
     assert "removed" not in cleaned.stdout.split("\n")[0], f"clean removed a live probe: {cleaned.stdout}"
     assert report["verdict"] == "plain-ok", report
@@ -631,9 +633,8 @@ def test_staged_file_under_a_regular_file_reports_enoent_not_enotdir(root, tmp_p
     (tmp_path / "afile").write_bytes(b"not a directory")
     with pytest.raises(OSError) as plain:
         open(tmp_path / "afile" / "x.bin", "wb")  # noqa: SIM115
-    with pytest.raises(OSError) as staged:
-        with safestage.staged_file(tmp_path / "afile" / "x.bin", root) as local:
-            local.write_bytes(b"data")
+    with pytest.raises(OSError) as staged, safestage.staged_file(tmp_path / "afile" / "x.bin", root) as local:
+        local.write_bytes(b"data")
     assert staged.value.errno == plain.value.errno == errno.ENOTDIR, str(staged.value)
 
 
