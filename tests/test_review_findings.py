@@ -936,3 +936,28 @@ def test_the_start_up_hook_imports_wrapt_eagerly(root):
     done = run_python("import sys; print('wrapt' in sys.modules, 'asyncio' in sys.modules)",
                       env={"SAFESTAGE_DIR": str(root)})  # fmt: skip
     assert done.stdout.split() == ["False", "False"], (done.stdout, done.stderr[-300:])
+
+
+# -- 28. staged_file deletes a directory written at its path and says nothing was written ------
+
+
+def test_staged_file_deletes_a_directory_the_writer_made_and_says_nothing_was_written(root, tmp_path):
+    """A writer that makes a directory at the path it is given (save_pretrained,
+    accelerator.save_state, torch.distributed.checkpoint - the very writers README sends to
+    staged_file) inside `with staged_file(dest) as local:`. Afterwards staged_file sees no
+    regular file, removes the private directory with everything written into it, and raises
+    "nothing was written to <local>". What the user loses: the whole local save (hours of
+    a save_state, say), with an error that says it never happened instead of "a directory
+    was written where a file was expected; it is kept at ...\""""
+    dest = tmp_path / "state"
+    message = ""
+    try:
+        with safestage.staged_file(dest, root) as local:
+            local.mkdir()
+            (local / "model.safetensors").write_bytes(b"weights" * 1000)
+            (local / "optimizer.bin").write_bytes(b"state" * 1000)
+    except OSError as exc:
+        message = str(exc)
+    kept = list(root.rglob("optimizer.bin"))
+    assert "nothing was written" not in message, message
+    assert kept or dest.exists(), f"the writer's directory was deleted: {message}"
