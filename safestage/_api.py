@@ -6,6 +6,8 @@ import contextlib
 import errno
 import logging
 import os
+import stat
+import sys
 import threading
 import time
 from collections import Counter
@@ -27,6 +29,7 @@ from ._stage import (
     PublishRecord,
     StagedFile,
     StagingArea,
+    keep_unpublished,
     publish_staged,
     write_staged,
     write_unstaged,
@@ -139,6 +142,36 @@ class Stage(contextlib.ContextDecorator):
         # As a decorator, each call gets a fresh activation with the same settings.
         return Stage(self.settings)
 
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:  # type: ignore[override]
+        """As a decorator. A generator function is staged while it runs (from its first
+        next() to its end), a coroutine function while it is awaited: ContextDecorator alone
+        would close the stage when the call returns, before the body ever runs."""
+        import functools
+        import inspect
+
+        if inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"safestage.staged() cannot decorate the async generator {func.__qualname__}: "
+                "use `with safestage.staged(...):` inside it"
+            )
+        if inspect.isgeneratorfunction(func):
+
+            @functools.wraps(func)
+            def generator(*args: Any, **kwargs: Any) -> Any:
+                with self._recreate_cm():
+                    return (yield from func(*args, **kwargs))
+
+            return generator
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def coroutine(*args: Any, **kwargs: Any) -> Any:
+                with self._recreate_cm():
+                    return await func(*args, **kwargs)
+
+            return coroutine
+        return super().__call__(func)
+
     def _save(self, serialize: Callable[[str], None], dest: Path) -> None:
         area = self._area
         assert area is not None, "a Stage saves only while open"
@@ -146,13 +179,33 @@ class Stage(contextlib.ContextDecorator):
             self._record(write_unstaged(serialize, dest, self.settings))
             return
         item = write_staged(serialize, dest, area)
-        if not (self.settings.background and os.getpid() == self._pid):
+        if not self._publishes_in_background():
+            _background.settle(dest)  # an earlier background publish of it lands first
             self._publish(item, area)
             return
-        future = _background.publisher().submit(
-            lambda: self._publish(item, area), dest, max_pending=self.settings.max_pending
-        )
+        try:
+            future = _background.publisher().submit(
+                lambda: self._publish(item, area),
+                dest,
+                max_pending=self.settings.max_pending,
+                kept=item.path,
+            )
+        except BaseException as exc:  # Ctrl-C while waiting for a slot: keep and name the copy
+            keep_unpublished(item, exc)
+            raise
+        # A stage that lives as long as the process (SAFESTAGE_BACKGROUND=1) must not keep
+        # every future: drop those that succeeded; failures stay until raised.
+        self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
         self._futures.append(future)
+
+    def _publishes_in_background(self) -> bool:
+        """background=True, in the process that opened the stage, and not a multiprocessing
+        child: a forked child, or a Pool worker (any start method) that may be terminated
+        as soon as its task returns, publishes before its save returns."""
+        if not self.settings.background or os.getpid() != self._pid:
+            return False
+        multiprocessing = sys.modules.get("multiprocessing")
+        return multiprocessing is None or multiprocessing.parent_process() is None
 
     def _publish(self, item: StagedFile, area: StagingArea) -> PublishRecord:
         try:
@@ -249,6 +302,7 @@ def staged_file(
     started = time.perf_counter()
     item = None
     private = area.new_private_dir()
+    _patch.add_unstaged_dir(private.path)  # a safetensors save into it is not staged again
     try:
         local = private / staged_name(target.name)
         try:
@@ -256,18 +310,43 @@ def staged_file(
         except BaseException:
             private.remove()
             raise
-        if not local.is_file():
-            private.remove()
-            raise StagingError(
-                errno.ENOENT,
-                f"safestage.staged_file: nothing was written to {local}, so nothing was published to {target}.",
-                str(local),
-            )
+        finally:
+            _patch.remove_unstaged_dir(private.path)
         item = StagedFile(private, local, target, started, time.perf_counter() - started)
+        _check_written(item)
     finally:
         if item is None:
             private.release()
-    publish_staged(item, settings, area)
+    _background.settle(target)  # an earlier background publish of it lands first
+    # A symlink left by the writer (a cache's file): publish its bytes, never the link, and
+    # never touch its target (a rename would move the link and chmod the target).
+    publish_staged(item, settings, area, copy=stat.S_ISLNK(os.lstat(local).st_mode))
+
+
+def _check_written(item: StagedFile) -> None:
+    """The writer must have left one regular file (or a symlink to one) at the local path;
+    anything else is an error, and whatever it wrote is kept and named, never deleted."""
+    local = item.path
+    try:
+        info = os.lstat(local)
+    except FileNotFoundError:
+        item.private.remove()
+        raise StagingError(
+            errno.ENOENT,
+            f"safestage.staged_file: nothing was written to {local}, so nothing was published to {item.dest}.",
+            str(local),
+        ) from None
+    if stat.S_ISREG(info.st_mode) or (stat.S_ISLNK(info.st_mode) and local.is_file()):
+        return
+    kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+    item.private.release()  # kept: it may hold hours of work (a save_state, a DCP save)
+    raise StagingError(
+        errno.EISDIR if stat.S_ISDIR(info.st_mode) else errno.EINVAL,
+        f"safestage.staged_file: the writer made {kind} at {local} where a file was expected, "
+        f"so nothing was published to {item.dest}. What it wrote is kept at {local}; for a "
+        "whole directory use safestage.staged_dir().",
+        str(local),
+    )
 
 
 def _checked_destination(dest: PathArg) -> Path:
@@ -287,12 +366,26 @@ def _checked_destination(dest: PathArg) -> Path:
         raise PublishError(
             errno.EISDIR, f"safestage: {shown} is a directory: name a file inside it.", str(shown)
         )
+    code = _open_error(os.path.dirname(text) or ".")
+    if code == errno.ENOTDIR:
+        advice = "a component of its directory is not a directory"
+    elif code == errno.EACCES:
+        advice = "this user may not search its directory: fix the permissions"
+    else:
+        advice = "its directory does not exist: create it before saving"
     raise PublishError(
-        errno.ENOENT,
-        f"safestage: the directory of {shown} does not exist (or is not a directory): create it "
-        "before saving.",
-        str(shown),
+        code, f"safestage: cannot save to {shown}: [Errno {code}] {os.strerror(code)}: {advice}.", str(shown)
     )
+
+
+def _open_error(directory: str) -> int:
+    """The errno the kernel gives for ``directory`` (ENOENT if it gives none)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.errno or errno.ENOENT
+    os.close(fd)
+    return errno.ENOENT
 
 
 def is_active() -> bool:

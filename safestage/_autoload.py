@@ -105,3 +105,12 @@ def start_from_environment(environ: Optional[Mapping[str, str]] = None) -> Optio
             return None
         log.debug("staging on from the environment: %r", _stage)
         return _stage
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

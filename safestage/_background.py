@@ -28,6 +28,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
+from . import _loud
+
 if TYPE_CHECKING:  # concurrent.futures is imported on first background use, not at start-up
     from concurrent.futures import Future
 
@@ -45,21 +47,24 @@ class BackgroundPublisher:
         self.pid = os.getpid()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="safestage-publish")
         self._condition = threading.Condition()
-        self._pending: dict[object, Path] = {}  # ticket -> destination, while publishing
-        self._unobserved: list[Future[object]] = []
+        # ticket -> (destination, where its complete staged copy is), while publishing
+        self._pending: dict[object, tuple[Path, Optional[Path]]] = {}
+        self._unobserved: dict[Future[object], Path] = {}  # insertion-ordered
 
-    def submit(self, job: Callable[[], T], dest: Path, *, max_pending: int) -> Future[T]:
+    def submit(
+        self, job: Callable[[], T], dest: Path, *, max_pending: int, kept: Optional[Path] = None
+    ) -> Future[T]:
         """Run ``job`` on a worker once fewer than ``max_pending`` files are publishing and
         no earlier publish of ``dest`` is pending. Blocks the caller until then."""
         ticket = object()
 
         def run() -> T:
-            # Log and release the slot inside the job, before its future completes: a done
+            # Report and release the slot inside the job, before its future completes: a done
             # callback would run after wait() has already returned to the caller.
             try:
                 return job()
             except BaseException as exc:
-                log.error("background publish of %s failed: %s", dest, exc)
+                _loud.error(f"background publish of {dest} failed: {exc}")
                 raise
             finally:
                 with self._condition:
@@ -68,37 +73,54 @@ class BackgroundPublisher:
 
         with self._condition:
             self._condition.wait_for(
-                lambda: len(self._pending) < max_pending and dest not in self._pending.values()
+                lambda: len(self._pending) < max_pending and not self._publishing(dest)
             )
-            self._pending[ticket] = dest
+            self._pending[ticket] = (dest, kept)
             try:
                 future: Future[T] = self._executor.submit(run)
             except RuntimeError:  # interpreter shutting down: publish here and now instead
                 del self._pending[ticket]
                 future = _run_inline(job)
-            self._unobserved.append(future)  # type: ignore[arg-type]
+            for done in [f for f in self._unobserved if f.done() and f.exception() is None]:
+                del self._unobserved[done]  # nothing to raise: a long run keeps no history
+            self._unobserved[future] = dest  # type: ignore[index]
         return future
 
+    def _publishing(self, dest: Path) -> bool:
+        return any(pending == dest for pending, _ in self._pending.values())
+
+    def settle(self, dest: Path) -> None:
+        """Wait until no publish of ``dest`` is pending: a later synchronous save of the same
+        file must land after it, never under it."""
+        with self._condition:
+            self._condition.wait_for(lambda: not self._publishing(dest))
 
     def wait(self, futures: Optional[Iterable[Future[object]]] = None) -> None:
-        """Wait for ``futures`` (default: every publish in the process); raise the first error.
-
-        Each error is raised once: a publish already waited for elsewhere is skipped.
-        """
+        """Wait for ``futures`` (default: every publish in the process); raise the first error,
+        with a note naming every other destination that failed (each was also reported when
+        it failed). Each error is raised once: a publish already waited for is skipped."""
         with self._condition:
             if futures is None:
                 chosen = list(self._unobserved)
             else:
                 chosen = [f for f in futures if f in self._unobserved]
-        first: Optional[BaseException] = None
-        for future in chosen:
-            error = future.exception()  # waits
-            if first is None and error is not None:
-                first = error
+        failed = [(future, error) for future in chosen if (error := future.exception()) is not None]
         with self._condition:
-            self._unobserved = [f for f in self._unobserved if f not in chosen]
-        if first is not None:
-            raise first
+            for future in chosen:
+                self._unobserved.pop(future, None)
+        if not failed:
+            return
+        first = failed[0][1]
+        others = [str(error) for _, error in failed[1:]]
+        if others and hasattr(first, "add_note"):
+            first.add_note(f"{len(others)} more background publish(es) failed too:")
+            for text in others:
+                first.add_note(f"  {text}")
+        raise first
+
+    def pending_copies(self) -> list[tuple[Path, Optional[Path]]]:
+        with self._condition:
+            return list(self._pending.values())
 
     def pending(self) -> int:
         with self._condition:
@@ -107,7 +129,7 @@ class BackgroundPublisher:
     def unobserved_failures(self) -> list[BaseException]:
         """Wait for every publish nobody waited for; return their errors (now observed)."""
         with self._condition:
-            chosen, self._unobserved = list(self._unobserved), []
+            chosen, self._unobserved = list(self._unobserved), {}
         return [error for error in (future.exception() for future in chosen) if error is not None]
 
 
@@ -130,38 +152,57 @@ def wait_all() -> None:
         _publisher.wait()
 
 
+def settle(dest: Path) -> None:
+    """Wait for any background publish of ``dest`` in this process (none: returns at once)."""
+    current = _publisher
+    if current is not None and current.pid == os.getpid():
+        current.settle(dest)
+
+
 def _complete_at_exit() -> None:
     """Registered when safestage is imported, so that it runs after the handlers registered
     later (atexit is last-in, first-out) and only those registered earlier can be skipped
-    by the exit below. concurrent.futures has already run every queued publish by now."""
+    by the exit below. concurrent.futures has normally run every queued publish by now."""
     current = _publisher
     if current is None or current.pid != os.getpid():
         return
     try:
         failures = current.unobserved_failures()
+    except KeyboardInterrupt:
+        # Ctrl-C while exit waits for a publish: the interpreter would go on and kill the
+        # publishing thread mid-copy. Say what is not published and where its data is.
+        lines = [
+            f"safestage: interrupted at exit while publishing {dest}; it is NOT complete there"
+            + (f"; the complete staged copy is kept at {kept}" if kept is not None else "")
+            + "\n"
+            for dest, kept in current.pending_copies()
+        ] or ["safestage: interrupted at exit while waiting for background publishes\n"]
+        _exit_loudly(lines, status=130)
+        return
     except BaseException:
         return
     if failures:
-        _exit_loudly(failures)
+        _exit_loudly(
+            [
+                f"safestage: a background publish failed and nobody waited for it; the file is "
+                f"NOT at its destination: {error}\n"
+                for error in failures
+            ],
+            status=1,
+        )
 
 
-def _exit_loudly(failures: list[BaseException]) -> None:
-    lines = [
-        f"safestage: a background publish failed and nobody waited for it; the file is NOT "
-        f"at its destination: {error}\n"
-        for error in failures
-    ]
-    stream = sys.__stderr__ or sys.stderr
-    with contextlib.suppress(Exception):
-        for line in lines:
-            stream.write(line)
+def _exit_loudly(lines: list[str], *, status: int) -> None:
+    # Straight to file descriptor 2: the program may have closed or replaced sys.stderr.
+    for line in lines:
+        _loud.write_stderr(line)
     with contextlib.suppress(Exception):
         logging.shutdown()
     for each in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(Exception):
             if each is not None:
                 each.flush()
-    os._exit(1)
+    os._exit(status)
 
 
 def _finalize_in_multiprocessing_child() -> None:
@@ -193,6 +234,6 @@ def _run_inline(job: Callable[[], T]) -> Future[T]:
     try:
         future.set_result(job())
     except BaseException as exc:
-        log.error("publish failed: %s", exc)
+        _loud.error(f"publish failed: {exc}")
         future.set_exception(exc)
     return future

@@ -2,8 +2,8 @@
 
 Exit status: 0 all good; 1 the command found a problem (doctor: a plain save fails or loses
 data here, or staging is not possible / fails too; status: a SAFESTAGE_* variable is bad;
-clean: something could not be removed); 2 a usage error. `run` exits with its command's
-status (128 + N when a signal N killed it).
+clean: something could not be removed); 2 a usage error. `run` becomes its command (exec)
+after its checks; called in-process it returns the command's status (128 + N for signal N).
 
 --json output: doctor's keys are documented in _doctor; status prints {version, python,
 hook {installed, files, searched}, environment {VAR: value of every SAFESTAGE* variable set},
@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import site
+import stat
 import subprocess
 import sys
 import threading
@@ -50,6 +51,12 @@ if TYPE_CHECKING:
     from ._doctor import Report, SaveReport, StagingReport
 
 HOOK_FILES = ("safestage.pth", "safestage.start")  # .pth up to Python 3.14, .start (PEP 829) after
+
+
+def console_main() -> int:
+    """The `safestage` command and `python -m safestage`."""
+    _EXEC_ALLOWED[0] = True
+    return main()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -207,13 +214,25 @@ def _print_json(data: Mapping[str, Any]) -> None:
 def _table(rows: Sequence[tuple[str, str]], indent: str = "  ") -> None:
     width = max((len(label) for label, _ in rows), default=0)
     for label, value in rows:
-        print(f"{indent}{label:<{width}}  {value}".rstrip())
+        _print_line(f"{indent}{label:<{width}}  {value}".rstrip())
+
+
+def _print_line(text: str) -> None:
+    """print(), but a file name the stream cannot encode (not UTF-8, under a strict locale)
+    is shown escaped instead of crashing after the work is done."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    print(text.encode(encoding, "backslashreplace").decode(encoding, "replace"))
 
 
 def _existing_directory(command: str, path: Path) -> Optional[int]:
-    if not path.is_dir():
-        what = "does not exist" if not path.exists() else "is not a directory"
-        return _usage_error(command, f"{path} {what}: give the directory to {command}")
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return _usage_error(command, f"{path} does not exist: give the directory to {command}")
+    except OSError as exc:  # a symlink loop, a component that is not a directory, EACCES
+        return _usage_error(command, f"{path}: [Errno {exc.errno}] {exc.strerror}: give the directory to {command}")
+    if not stat.S_ISDIR(info.st_mode):
+        return _usage_error(command, f"{path} is not a directory: give the directory to {command}")
     return None
 
 
@@ -353,6 +372,20 @@ def child_environment(
 
 
 def _run_child(command: list[str], env: dict[str, str]) -> int:
+    """Become CMD (exec) when this is the main thread of a real process, so that every
+    signal sent to `safestage run` (SIGINT from docker stop or a supervisor too) reaches it;
+    else run it as a child and forward what we can."""
+    if threading.current_thread() is threading.main_thread() and _EXEC_ALLOWED[0]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.execvpe(command[0], command, env)
+        except FileNotFoundError:
+            print(f"safestage run: command not found: {command[0]}", file=sys.stderr)
+            return 127
+        except PermissionError:
+            print(f"safestage run: permission denied: {command[0]}", file=sys.stderr)
+            return 126
     try:
         child = subprocess.Popen(command, env=env)
     except FileNotFoundError:
@@ -364,6 +397,11 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
     with _signals_forwarded_to(child):
         code = child.wait()
     return 128 - code if code < 0 else code
+
+
+# Only the `safestage` command itself may become CMD: main() called in-process (tests,
+# embedding) must return a status, not replace the caller.
+_EXEC_ALLOWED = [False]
 
 
 @contextmanager
@@ -518,7 +556,11 @@ def _clean(args: argparse.Namespace) -> int:
     error = _existing_directory("clean", args.path)
     if error is not None:
         return error
-    entries = clean(args.path, dry_run=args.dry_run, older_than=args.older_than)
+    try:
+        entries = clean(args.path, dry_run=args.dry_run, older_than=args.older_than)
+    except OSError as exc:
+        print(f"safestage clean: cannot list {args.path}: [Errno {exc.errno}] {exc.strerror}", file=sys.stderr)
+        return 1
     counts = {
         action: sum(e.action == action for e in entries)
         for action in ("removed", "would-remove", "kept", "failed")
@@ -546,5 +588,5 @@ def _clean(args: argparse.Namespace) -> int:
             for action, count in counts.items()
             if count or action in ("removed", "kept")
         )
-        print(f"{summary} (safestage leftovers in {args.path}; nothing else is touched)")
+        _print_line(f"{summary} (safestage leftovers in {args.path}; nothing else is touched)")
     return 1 if counts["failed"] else 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ._errors import ConfigError
+from ._paths import absolute
 
 PathArg = Union[str, "os.PathLike[str]"]
 
@@ -129,7 +130,7 @@ def parse_root(value: object, source: str) -> Path:
         raise ConfigError(f"staging root from {source} is empty: name a local directory")
     if "\x00" in text:
         raise ConfigError(f"staging root {text!r} from {source} contains a NUL byte")
-    return Path(os.path.abspath(text))
+    return absolute(text)  # not abspath: "link/.." is for the kernel to resolve (issue 9)
 
 
 def resolve(

@@ -53,8 +53,10 @@ from typing import Any, Callable, Optional
 from . import _patch
 from ._config import ENV_DIR, ENV_PUBLISH, Settings, resolve
 from ._errors import ConfigError, PublishError, StagingError
+from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import MountInfo, mount_of
 from ._names import doctor_dir_name, parse_stage_dir
+from ._paths import real_directory
 from ._publish import NOT_SUPPORTED, write_all
 from ._stage import StagingArea, errno_of, remove_tree
 
@@ -215,6 +217,7 @@ def _probe_in_private_dir(
         report.problems.append(report.probe.error)
         return
     kept_copy: list[Path] = []
+    lock = _lock_probe(directory)  # a clean in another PID namespace leaves a live probe alone
     try:
         _probe_syscalls(report.probe, directory, timeout)
         report.plain_save = _plain_save(directory, timeout)
@@ -222,6 +225,18 @@ def _probe_in_private_dir(
             report.staged_save = _staged_save(directory, settings, timeout, kept_copy)
     finally:
         report.cleanup = _remove_probe(directory, kept_copy)
+        if lock is not None:
+            close_quietly(lock)
+
+
+def _lock_probe(directory: Path) -> Optional[int]:
+    try:
+        fd = open_directory(directory)
+    except OSError:
+        return None
+    with contextlib.suppress(OSError, Contended):  # no locks here: the probe runs anyway
+        claim(fd, directory)
+    return fd
 
 
 def _remove_probe(directory: Path, kept_copy: list[Path]) -> CleanupReport:
@@ -441,7 +456,8 @@ def _kept_private_dir(exc: PublishError, settings: Settings) -> list[Path]:
     private = Path(exc.staged_path).parent
     owner = parse_stage_dir(private.name)
     ours = owner is not None and owner.pid == os.getpid() and owner.is_this_host()
-    return [private] if ours and private.parent == settings.staging_root() else []
+    root = real_directory(settings.staging_root())  # the root may be given through a symlink
+    return [private] if ours and root is not None and private.parent == root else []
 
 
 def _verify(target: Path, tensors: dict[str, Any], report: SaveReport) -> SaveReport:

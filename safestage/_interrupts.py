@@ -34,12 +34,31 @@ def deferred() -> Iterator[None]:
     except (ValueError, OSError):  # not the main interpreter: nothing to defer
         yield
         return
+    _deferring.append((note, previous))
     try:
         yield
     finally:
+        _deferring.remove((note, previous))
         signal.signal(signal.SIGINT, previous)
         if noted:
             _deliver(previous, noted[0])
+
+
+# (noting handler, the handler it replaced) while a clean-up defers interrupts
+_deferring: list[tuple[Any, Any]] = []
+
+
+def _after_fork_in_child() -> None:
+    # A child forked (from another thread) during a deferred clean-up inherits the noting
+    # handler, and no clean-up of its own will ever restore it: give it the real one back.
+    if _deferring and signal.getsignal(signal.SIGINT) is _deferring[0][0]:
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGINT, _deferring[0][1])
+    _deferring.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _deliver(handler: Any, frame: Optional[FrameType]) -> None:

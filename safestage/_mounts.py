@@ -116,8 +116,17 @@ _local_lock = threading.Lock()
 
 
 def is_local_disk(directory: Path) -> bool:
-    """Whether ``directory`` is on a local disk filesystem (cached per device)."""
+    """Whether ``directory`` is on a local disk filesystem.
+
+    Cached per device only for block devices (major != 0): anonymous devices (tmpfs,
+    overlay, every FUSE mount) get their numbers reused as soon as a mount goes, so a
+    verdict cached for one could be applied to a FUSE mount made later (when="auto" would
+    then write an object store unstaged). Those are looked up each time (~0.1 ms).
+    """
     device = os.stat(directory).st_dev
+    if os.major(device) == 0:
+        mount = mount_of(directory)
+        return mount is not None and mount.is_local
     with _local_lock:
         known = _local_devices.get(device)
     if known is None:
@@ -158,5 +167,18 @@ class CapabilityCache:
         with self._lock:
             self._strategy.clear()
 
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # a parent thread may have held it at fork()
+
 
 capabilities = CapabilityCache()
+
+
+def _after_fork_in_child() -> None:
+    global _local_lock
+    _local_lock = threading.Lock()
+    capabilities.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

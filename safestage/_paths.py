@@ -27,15 +27,17 @@ def real_directory(path: str | os.PathLike[str]) -> Optional[Path]:
         fd = os.open(path, _OPEN_DIRECTORY)
     except (OSError, ValueError):
         return None
+    removed = False
     try:
+        removed = os.fstat(fd).st_nlink == 0  # not the " (deleted)" text: a real name may end so
         real = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:  # no /proc: realpath agrees with the kernel once the directory exists
         real = os.path.realpath(path)
     finally:
         with contextlib.suppress(OSError):  # a read-only descriptor: nothing to report
             os.close(fd)
-    if not real.startswith("/") or real.endswith(" (deleted)"):
-        return None  # outside our root ("(unreachable)/...") or removed meanwhile
+    if removed or not real.startswith("/"):
+        return None  # removed meanwhile, or outside our root ("(unreachable)/...")
     return Path(real)
 
 

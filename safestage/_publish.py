@@ -29,7 +29,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -85,6 +85,7 @@ class _StepFailed(Exception):
         self.leftover: Optional[Path] = None  # our temp file, if unlinking it failed
         self.removed: Optional[bool] = None  # direct: whether a torn final file was removed
         self.advice: Optional[str] = None  # what to do, when the step knows better than errno
+        self.unlinked_previous = False  # direct: the old file was unlinked before writing
 
 
 def current_umask() -> int:
@@ -172,6 +173,7 @@ def copy_to_new_file(
     fsync: bool,
     chunk_bytes: int = CHUNK_BYTES,
     prepare: Optional[Callable[[int], None]] = None,
+    before_create: Optional[Callable[[], None]] = None,
 ) -> int:
     """Copy ``source`` into ``target`` opened with ``flags``; checked fsync, close and size.
 
@@ -191,6 +193,8 @@ def copy_to_new_file(
             expected = os.fstat(src.fileno()).st_size
         except OSError as exc:
             raise _StepFailed("read", exc, source) from exc
+        if before_create is not None:
+            before_create()
         copied = _copy_from(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
                             chunk_bytes=chunk_bytes, prepare=prepare)  # fmt: skip
     try:
@@ -274,15 +278,15 @@ def _rename_into_place(staged: Path, dest: Path, *, mode: int, fsync: bool) -> i
     step = "inspect"
     try:
         nbytes = os.stat(staged).st_size
-        step = "chmod"
-        os.chmod(staged, mode)
-        if fsync:
+        if fsync:  # before the chmod: the final mode may not let us open it (0200)
             step = "fsync"
             fd = os.open(staged, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 os.fsync(fd)
             finally:
                 close_quietly(fd)
+        step = "chmod"
+        os.chmod(staged, mode)
         step = "rename"
         os.replace(staged, dest)
     except OSError as exc:
@@ -297,8 +301,13 @@ def publish_file(
     publish: str,
     fsync: bool,
     staging_device: Optional[int],
+    sync_directory: bool = True,
 ) -> Published:
-    """Publish ``staged`` to ``dest``. On failure raise PublishError; ``staged`` is kept."""
+    """Publish ``staged`` to ``dest``. On failure raise PublishError; ``staged`` is kept.
+
+    With ``fsync``, the directory of a renamed file is fsync'ed too, unless the caller
+    passes ``sync_directory=False`` to do that itself once it has counted the publish as
+    done (a Ctrl-C during that fsync must not make a published save look unpublished)."""
     started = time.perf_counter()
     directory = dest.parent
     try:
@@ -319,13 +328,15 @@ def publish_file(
                 raise _publish_error(failed, dest, staged, "rename", existed=existed) from failed.error
             strategy = "replace"  # publish="direct" never chooses rename
         else:
-            if fsync:
+            if fsync and sync_directory:
                 fsync_directory(directory)
             return Published("rename", nbytes, time.perf_counter() - started)
 
     if strategy == "replace":
         try:
             nbytes = _replace(staged, dest, mode=mode, fsync=fsync)
+            if fsync and sync_directory:
+                fsync_directory(directory)
             return Published("replace", nbytes, time.perf_counter() - started)
         except _StepFailed as failed:
             # Only a probe of the device decides that it cannot rename (issue 9): a refused
@@ -456,8 +467,6 @@ def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
             with deferred():
                 _best_effort_unlink(temp)
             raise
-        if fsync:
-            fsync_directory(dest.parent)
         return nbytes
     error = OSError(errno.EBUSY, "another process keeps removing safestage's temp files here")
     exhausted = _StepFailed("create", error, dest.parent)
@@ -479,34 +488,117 @@ def _lock_temp(temp: Path, write_fd: int) -> None:
 def _direct(
     staged: Path, dest: Path, *, mode: int, fsync: bool, previous: Optional[os.stat_result]
 ) -> int:
-    """Write the final name itself: for destinations that cannot rename (#792)."""
-    if previous is not None:
+    """Write the final name itself: for destinations that cannot rename (#792). One direct
+    publish of a given file at a time in this process: two would interleave their bytes."""
+    with _direct_lock(dest):
+        return _direct_locked(staged, dest, mode=mode, fsync=fsync, previous=previous)
+
+
+def _direct_locked(
+    staged: Path, dest: Path, *, mode: int, fsync: bool, previous: Optional[os.stat_result]
+) -> int:
+    is_link = os.path.islink(dest)
+    if previous is not None and not is_link:
         _refuse_special_file(dest, previous)
     flags = os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK  # O_NONBLOCK: a FIFO put there meanwhile
-    if previous is not None and _mapped_here(previous):
-        # safetensors#762: O_TRUNC rewrites the inode in place, under the tensors this process
-        # loaded from it (mmap): their values change, and a shorter file kills us with
-        # SIGBUS. A new inode leaves the mapped one alone.
-        log.debug("%s is mapped by this process: unlinking it before writing a new inode", dest)
-        try:
-            os.unlink(dest)
-        except OSError as exc:
-            raise _StepFailed("unlink", exc, dest) from exc
+    aside = _Aside(dest, is_link=is_link, mapped=not is_link and previous is not None and _mapped_here(previous))
+    if aside.needed:
         flags = os.O_CREAT | os.O_EXCL
     try:
-        return copy_to_new_file(
-            staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=_regular_and_blocking
-        )
+        nbytes = copy_to_new_file(
+            staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=_regular_and_blocking,
+            before_create=aside.clear_the_name,
+        )  # fmt: skip
     except BaseException as exc:
-        if isinstance(exc, _StepFailed) and exc.step == "create":
-            raise
-        # An object store keeps the previous object when an upload fails; a POSIX filesystem
-        # has already truncated it. Keep the final name only if it is still that old file.
         with deferred():
-            removed = None if _unchanged(dest, previous) else _best_effort_unlink(dest) is None
-        if isinstance(exc, _StepFailed):
-            exc.removed = removed
+            if isinstance(exc, _StepFailed) and exc.step in ("create", "read", "unlink"):
+                restored = aside.restore()
+                exc.unlinked_previous = aside.lost_previous and not restored
+                raise
+            # An object store keeps the previous object when an upload fails; a POSIX
+            # filesystem has already truncated it. Keep the final name only if it is still
+            # that old file, and put back a file moved aside.
+            unchanged = not aside.cleared and _unchanged(dest, previous)
+            removed = None if unchanged else _best_effort_unlink(dest) is None
+            restored = aside.restore() if removed else False
+            if isinstance(exc, _StepFailed):
+                exc.removed = None if restored else removed
+                exc.unlinked_previous = aside.lost_previous and not restored
         raise
+    aside.discard()
+    return nbytes
+
+
+class _Aside:
+    """Clears the final name before a direct write when the old file must keep its inode:
+    a symlink there (a plain save replaces the link; writing through it would overwrite its
+    target: latest.safetensors -> step-1000.safetensors), or a file this process has mapped
+    (safetensors#762: O_TRUNC rewrites the inode under the tensors loaded from it, changing
+    their values, and a shorter file kills the process with SIGBUS). Where the filesystem
+    can rename, the old file is moved to a hidden sibling and put back if the new one cannot
+    be written; where it cannot (object stores), it is unlinked, and an error says it is gone.
+    """
+
+    def __init__(self, dest: Path, *, is_link: bool, mapped: bool) -> None:
+        self.dest = dest
+        self.needed = is_link or mapped
+        self._is_link = is_link
+        self.cleared = False
+        self.moved: Optional[Path] = None
+        self.lost_previous = False  # the old file was unlinked (not a mere symlink)
+
+    def clear_the_name(self) -> None:  # the source is open by now: a read error cannot follow
+        if not self.needed:
+            return
+        why = "a symlink" if self._is_link else "mapped by this process"
+        log.debug("%s is %s: clearing the name before writing a new file", self.dest, why)
+        if not self._is_link:
+            moved = self.dest.parent / temp_name(self.dest.name)
+            try:
+                os.replace(self.dest, moved)
+            except OSError as exc:
+                log.debug("cannot move %s aside (%s): unlinking it", self.dest, exc)
+            else:
+                self.moved, self.cleared = moved, True
+                return
+        try:
+            os.unlink(self.dest)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _StepFailed("unlink", exc, self.dest) from exc
+        self.cleared = True
+        self.lost_previous = not self._is_link
+
+    def restore(self) -> bool:
+        """Put the moved-aside old file back under its name (the new one is not there)."""
+        if self.moved is None:
+            return False
+        try:
+            os.replace(self.moved, self.dest)
+        except OSError as exc:
+            log.warning("could not put %s back from %s: %s", self.dest, self.moved, exc)
+            return False
+        self.moved = None
+        return True
+
+    def discard(self) -> None:
+        if self.moved is not None:
+            _best_effort_unlink(self.moved)
+            self.moved = None
+
+
+_direct_locks: dict[str, threading.Lock] = {}
+_direct_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def _direct_lock(dest: Path) -> Iterator[None]:
+    key = str(dest)
+    with _direct_locks_guard:
+        lock = _direct_locks.setdefault(key, threading.Lock())
+    with lock:
+        yield
 
 
 def _refuse_special_file(dest: Path, previous: os.stat_result) -> None:
@@ -623,7 +715,12 @@ def _publish_error(
     failed: _StepFailed, dest: Path, staged: Path, strategy: str, *, existed: bool
 ) -> PublishError:
     error = failed.error
-    if failed.step in ("create", "inspect", "unlink"):
+    if failed.unlinked_previous:
+        state = (
+            f"{dest} is gone: this process had it mapped (loaded), so it was unlinked to write "
+            "a new file, and the new file could not be written"
+        )
+    elif failed.step in ("create", "inspect", "unlink", "read"):
         state = (
             f"{dest} still holds its previous file (untouched)"
             if existed
@@ -662,3 +759,15 @@ def _publish_error(
         staged_path=str(kept) if kept is not None else None,
         step=failed.step,
     )
+
+
+def _after_fork_in_child() -> None:
+    # Locks a thread of the parent held at fork() would never be released here.
+    global _direct_locks_guard, _umask_lock
+    _direct_locks.clear()
+    _direct_locks_guard = threading.Lock()
+    _umask_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -130,11 +130,21 @@ def _sweep_dead(root: Path) -> None:
     except OSError as exc:
         log.debug("could not sweep %s: %s", root, exc)
         return
+    kept = []
     for entry in entries:
         if entry.action == "removed":
             log.info("removed %s/%s: %s", root, entry.name, entry.reason)
         elif entry.action == "kept" and "complete copy" in entry.reason:
-            log.warning("%s/%s: %s", root, entry.name, entry.reason)
+            log.info("%s/%s: %s", root, entry.name, entry.reason)
+            kept.append(entry.name)
+    if kept:  # one line per activation, not one per copy: every process of a job sweeps
+        log.warning(
+            "%d staging director%s in %s hold%s the only complete copy of a save that was not "
+            "published (%s): copy each to its destination, then delete it; `safestage clean "
+            "%s` lists them",
+            len(kept), "y" if len(kept) == 1 else "ies", root, "s" if len(kept) == 1 else "",
+            ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""), root,
+        )  # fmt: skip
 
 
 def _ensure_private_default(root: Path) -> None:
@@ -291,8 +301,11 @@ def write_staged(write: Callable[[str], None], dest: Path, area: StagingArea) ->
     return StagedFile(private, staged, dest, started, time.perf_counter() - started)
 
 
-def publish_staged(item: StagedFile, settings: Settings, area: StagingArea) -> PublishRecord:
+def publish_staged(
+    item: StagedFile, settings: Settings, area: StagingArea, *, copy: bool = False
+) -> PublishRecord:
     """Publish a staged file and remove its private directory; return the record.
+    ``copy``: never move the staged file itself (rename), copy its bytes.
 
     On failure the private directory and its complete file are kept, and the PublishError
     says where.
@@ -306,7 +319,8 @@ def publish_staged(item: StagedFile, settings: Settings, area: StagingArea) -> P
             item.dest,
             publish=settings.publish,
             fsync=settings.fsync,
-            staging_device=area.device,
+            staging_device=None if copy else area.device,
+            sync_directory=False,
         )
     except BaseException as exc:
         if not item.path.exists():
@@ -314,12 +328,11 @@ def publish_staged(item: StagedFile, settings: Settings, area: StagingArea) -> P
             if isinstance(exc, OSError) and not isinstance(exc, StagingError):
                 raise _staged_copy_vanished(item, area.root) from exc
             raise
-        # Kept: the complete copy stays where the error says; it is never swept (_clean).
-        item.private.release()
-        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: say where it is
-            _note_kept_copy(exc, item)
+        keep_unpublished(item, exc)
         raise
-    item.private.remove()
+    item.private.remove()  # published: from here on there is nothing to keep
+    if settings.fsync and published.strategy in ("rename", "replace"):
+        fsync_directory(item.dest.parent)  # makes the rename durable
     done = time.perf_counter()
     record = PublishRecord(
         destination=item.dest,
@@ -334,6 +347,14 @@ def publish_staged(item: StagedFile, settings: Settings, area: StagingArea) -> P
         item.dest, record.bytes, record.serialize_seconds, record.strategy, record.publish_seconds,
     )
     return record
+
+
+def keep_unpublished(item: StagedFile, exc: BaseException) -> None:
+    """The publish of ``item`` did not happen: its complete copy stays where it is (never
+    swept, see _clean); an error says where itself, an interrupt gets a note that does."""
+    item.private.release()
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
+        _note_kept_copy(exc, item)
 
 
 def _note_kept_copy(exc: BaseException, item: StagedFile) -> None:

@@ -716,8 +716,8 @@ def test_direct_over_a_loaded_file_deletes_it_then_fails_and_says_untouched(root
 
 SLEEPER = """
 import sys, time
-print("ready", flush=True)
 try:
+    print("ready", flush=True)  # inside the try: the signal may come at once
     time.sleep(4)
     print("slept through", flush=True)
 except KeyboardInterrupt:
