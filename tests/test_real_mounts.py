@@ -99,6 +99,11 @@ def perm(path: Path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
+def process_state(pid: int) -> str:
+    """R, S, D (uninterruptible: waiting on the kernel, e.g. on a FUSE request), Z, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def processes_mentioning(text: str) -> list[int]:
     """Pids whose command line mentions ``text`` (the tool of a mount names its mountpoint)."""
     found = []
@@ -228,6 +233,49 @@ def test_a_killed_parent_leaves_no_mount_tool_or_server() -> None:
     assert processes_mentioning(str(path)) == [], "orphaned rclone still running"
     assert not server_answers(), "orphaned S3 server still listening"
     assert not path.exists()
+
+
+def test_a_parent_killed_while_blocked_in_the_mount_is_cleaned_up_too() -> None:
+    """The parent is SIGKILLed while a read of it waits on rclone, which waits on a stalled S3
+    server: the kernel cannot finish killing it until the request is answered, so it never
+    exits by itself (found when a fault test hung). The supervisors see the pending SIGKILL,
+    unmount and stop the tools: the read fails, the parent dies, nothing is left."""
+    code = textwrap.dedent(
+        """
+        import json, os, signal, sys
+        from pathlib import Path
+        from safestage.testing import RealMount, shared_s3_server
+        m = RealMount("rclone-s3").start()
+        (m.path / "f").write_bytes(b"x" * 100_000)
+        supervisor = shared_s3_server().pid
+        moto = int(Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()[0])
+        os.kill(moto, signal.SIGSTOP)  # the S3 server hangs: rclone's GET will never return
+        print(json.dumps({"path": str(m.path), "moto": moto}), flush=True)
+        (m.path / "f").read_bytes()  # blocks in the kernel, waiting for rclone
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        info = json.loads(child.stdout.readline())
+        path, moto = Path(info["path"]), int(info["moto"])
+        deadline = time.monotonic() + 30
+        while process_state(child.pid) != "D" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_state(child.pid) == "D", "the read never blocked in the mount"
+        child.kill()
+        child.wait(timeout=30)  # before the fix: never (the supervisor waited for a new ppid)
+        deadline = time.monotonic() + 15
+        while (mounted(path) or processes_mentioning(str(path))) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not mounted(path) and processes_mentioning(str(path)) == []
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{moto}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{moto}").exists(), "the stopped S3 server survived"
+    finally:
+        if child.poll() is None:
+            child.kill()
 
 
 def rclone_env(endpoint: str, **extra: str) -> dict[str, str]:
