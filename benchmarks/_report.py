@@ -39,7 +39,8 @@ ROW_ORDER = [
     "ss-when-auto-nofsync",
     "build-only",
 ]
-DEST_ORDER = ["disk", "shm", "hdfs", "mountpoint", "slow"]
+DEST_ORDER = ["disk", "shm", "hdfs", "mountpoint", "slow", "rclone-local", "rclone-s3", "s3fs"]
+REAL_DESTS = ("rclone-local", "rclone-s3", "s3fs")
 
 
 def _cell(
@@ -129,10 +130,11 @@ def _fmt_ratio(value: Optional[float]) -> str:
 
 def targets(document: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
+    shards = document["settings"]["sizes"]["shards"]["shards"]
     for dest in ("slow", "hdfs"):
         out.append(
             _target(
-                f"8 x shards -> {dest}: background within 1.15x of the ceiling (both fsync each file)",
+                f"{shards} x shards -> {dest}: background within 1.15x of the ceiling (both fsync each file)",
                 _ratio(document, dest, "shards", "ss-bg", "ceiling-fsync"),
                 1.15,
                 "x",
@@ -146,7 +148,7 @@ def targets(document: dict[str, Any]) -> list[dict[str, Any]]:
         )
         out.append(
             _target(
-                f"8 x shards -> {dest}: synchronous within 1.6x of the ceiling (both fsync each file)",
+                f"{shards} x shards -> {dest}: synchronous within 1.6x of the ceiling (both fsync each file)",
                 _ratio(document, dest, "shards", "ss-sync", "ceiling-fsync"),
                 1.6,
                 "x",
@@ -364,7 +366,8 @@ def markdown(document: dict[str, Any], png_name: str) -> str:
         "interleaved in a fresh seeded random order every repeat. `xN.NN` = ratio to this destination's ceiling in the same run "
         "(fsync'ing contenders against `dd conv=fsync`, the others against plain `dd`). "
         f"Page cache: {settings['cache']}. Kit backing: {settings['kit_backing']}. "
-        f"Staging roots: disk dest {settings['staging_roots']['disk']}; /dev/shm dest {settings['staging_roots']['shm']}; "
+        + (f"Real mounts: {settings['real_mounts']}. " if settings.get("real_mounts") else "")
+        + f"Staging roots: disk dest {settings['staging_roots']['disk']}; /dev/shm dest {settings['staging_roots']['shm']}; "
         f"kit {settings['staging_roots']['kit']}. Ceiling: {settings['ceiling']}. Build: {settings['build']}.",
         "",
         "## Targets",
@@ -493,8 +496,9 @@ def markdown(document: dict[str, Any], png_name: str) -> str:
 
 
 def _cpu_section(document: dict[str, Any]) -> list[str]:
-    """Where the CPU went: the saving process (or dd) and the FUSE server, per run."""
-    dests = [d for d in ("hdfs", "mountpoint", "slow") if d in document["summary"]]
+    """Where the CPU went: the saving process (or dd) and the FUSE server (a real mount's tool
+    and its S3 server), per run."""
+    dests = [d for d in ("hdfs", "mountpoint", "slow", *REAL_DESTS) if d in document["summary"]]
     if not dests:
         return []
     rows = []
@@ -511,7 +515,7 @@ def _cpu_section(document: dict[str, Any]) -> list[str]:
             )
         rows.append(row)
     return [
-        "## CPU seconds per run, 8 shards: saving process (or dd) + FUSE server = total, in the wall time",
+        f"## CPU seconds per run, {document['settings']['sizes']['shards']['shards']} shards: saving process (or dd) + FUSE server (real mounts: the tool + the S3 server) = total, in the wall time",
         "",
         "2 cores are shared with other engineers' jobs: a total near 2 x wall time means the run was CPU-bound.",
         "",

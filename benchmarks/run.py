@@ -53,15 +53,21 @@ FULL = {
     "repeats": 3,  # kit destinations (each 1 GiB run takes 3-7 s)
     "local_repeats": 5,  # the 1 GiB file on disk and /dev/shm: short runs, noisy shared disk
     "precise_repeats": 12,  # the 1.05x / 1.10x comparisons (see PRECISE)
+    # The real rclone and s3fs mounts: the S3 ones write at the local moto server's ~35-47 MB/s,
+    # about 30 s per 1 GiB run, so one run per contender (min = max = median).
+    "real_repeats": 1,
     "overhead_iterations": 200_000,
 }
 QUICK = {
     "single": {"tensors": 4, "tensor_bytes": 16 * MiB},
-    "shards": {"shards": 8, "shard_bytes": 8 * MiB, "per_shard": 4},
+    # 4 shards, not 8: on rclone every staged shard costs a 5 s stall (replace's temp lock,
+    # see README), and the smoke run should stay near 3 minutes with the real mounts in it.
+    "shards": {"shards": 4, "shard_bytes": 8 * MiB, "per_shard": 4},
     "tiny": {"tensors": 200, "tensor_bytes": 1024, "saves": 3},
     "repeats": 1,
     "local_repeats": 1,
     "precise_repeats": 1,
+    "real_repeats": 1,
     "overhead_iterations": 20_000,
 }
 
@@ -178,6 +184,15 @@ KIT_NOFSYNC = {
     "tiny": [],
 }
 PARALLEL = ["ss-bg-mp1", "ss-bg-mp4"]  # with ss-bg (max_pending 2): shards into slow and hdfs
+# The real mounts: plain 0.8 (fails on rclone) and 0.7, safestage by default (auto -> replace)
+# and direct (no temp, no rename: on an object store the object appears at close), each
+# against dd of the same bytes into that mount with conv=fsync (s3fs uploads at fsync; rclone
+# while writing). No tiny workload: per-save overhead is measured on disk and the kit.
+REAL = {
+    "single": ["st08", "st07", "ss-sync", "ss-direct", "ceiling-fsync"],
+    "shards": ["st08", "st07", "ss-sync", "ss-direct", "ss-bg", "ceiling-fsync"],
+    "tiny": [],
+}
 
 DESTINATIONS: dict[str, dict[str, Any]] = {
     "disk": {"label": "plain disk (/tmp, ext4)", "local": True},
@@ -185,6 +200,9 @@ DESTINATIONS: dict[str, dict[str, Any]] = {
     "hdfs": {"label": "kit hdfs", "kit": "hdfs"},
     "mountpoint": {"label": "kit mountpoint", "kit": "mountpoint"},
     "slow": {"label": f"kit slow {SLOW_MBPS:.0f} MB/s", "kit": "slow", "mbps": SLOW_MBPS},
+    "rclone-local": {"label": "real rclone, local dir", "real": "rclone-local"},
+    "rclone-s3": {"label": "real rclone, S3 (moto)", "real": "rclone-s3"},
+    "s3fs": {"label": "real s3fs, S3 (moto)", "real": "s3fs"},
 }
 # The 1.05x and 1.10x targets compare code paths that differ by a few percent at most, while
 # single runs on this shared disk vary 2-5x: three contenders get 12 more interleaved runs of
@@ -196,6 +214,8 @@ WORKLOADS = ("single", "shards", "tiny", "precise")
 def contenders_for(dest: str, workload: str) -> list[str]:
     if DESTINATIONS[dest].get("local"):
         return list(LOCAL[workload])
+    if DESTINATIONS[dest].get("real"):
+        return list(REAL[workload])
     names = list(KIT[workload])
     if dest == "hdfs":
         names += KIT_NOFSYNC[workload]
@@ -377,21 +397,32 @@ def empty_dir(path: Path) -> None:
 # -- the matrix --------------------------------------------------------------------------------
 
 
-def process_cpu_seconds(pid: Optional[int]) -> float:
-    """utime + stime of a process (all its threads), from /proc/<pid>/stat."""
+def process_cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of processes (all their threads), from /proc/<pid>/stat."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def children_of(pid: Optional[int]) -> list[int]:
+    """The direct children of ``pid``: a supervisor's tool (rclone, s3fs) or S3 server."""
     if pid is None:
-        return 0.0
+        return []
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return []
 
 
 def runnable(dest: str, workload: str) -> list[str]:
     if workload == "precise":
         return list(PRECISE) if DESTINATIONS[dest].get("local") else []
-    if workload == "tiny" and dest in ("mountpoint", "slow"):
+    if workload == "tiny" and (dest in ("mountpoint", "slow") or DESTINATIONS[dest].get("real")):
         return []  # per-save overhead: disk, /dev/shm and hdfs say it all
     return [
         n
@@ -404,18 +435,23 @@ def runnable(dest: str, workload: str) -> list[str]:
 def destination(
     name: str, disk_base: Path, shm_base: Path, roots: dict[str, Path], hostile_mount: Any
 ) -> Any:
-    """(directory to save into, {root kind: staging root}); a kit mount lives for the block."""
+    """(directory to save into, {root kind: staging root}, pids of the processes serving the
+    mount); a kit or real mount lives for the block."""
     info = DESTINATIONS[name]
+    disk_roots = {"near": roots["disk"], "far": roots["disk"], "disk": roots["disk"]}
     if info.get("kit"):
         with hostile_mount(
             info["kit"], None, mbps=info.get("mbps"), backing=shm_base / f"backing-{name}"
         ) as mount:
-            yield (
-                mount.path,
-                {"near": roots["disk"], "far": roots["disk"], "disk": roots["disk"]},
-                mount.server_pid,
-            )
+            yield mount.path, disk_roots, [mount.server_pid]
         shutil.rmtree(shm_base / f"backing-{name}", ignore_errors=True)
+        return
+    if info.get("real"):
+        from safestage.testing import real_mount, shared_s3_server
+
+        with real_mount(info["real"]) as real:
+            server = [] if real.bucket is None else children_of(shared_s3_server().pid)
+            yield real.path, disk_roots, children_of(real.tool_pid) + server
         return
     base, near, far = (
         (disk_base, roots["disk"], roots["shm"])
@@ -425,7 +461,7 @@ def destination(
     dest_root = base / "dest"
     dest_root.mkdir()
     try:
-        yield dest_root, {"near": near, "far": far, "disk": roots["disk"]}, None
+        yield dest_root, {"near": near, "far": far, "disk": roots["disk"]}, []
     finally:
         shutil.rmtree(dest_root, ignore_errors=True)
 
@@ -521,6 +557,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     def repeats_for(dest: str, workload: str) -> int:
         if workload == "precise":
             return args.repeats or sizes["precise_repeats"]
+        if DESTINATIONS[dest].get("real"):
+            return args.repeats or sizes["real_repeats"]
         return (
             local_repeats if DESTINATIONS[dest].get("local") and workload == "single" else repeats
         )
@@ -537,7 +575,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--drop-caches: writing /proc/sys/vm/drop_caches failed")
 
     st07_python = ensure_st07_venv()
-    from safestage.testing import hostile_mount  # stdlib-only import; the server runs elsewhere
+    from safestage.testing import hostile_mount, stop_shared_s3_server  # stdlib-only imports
 
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
@@ -545,6 +583,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         shm_base = Path(tempfile.mkdtemp(prefix="safestage-bench-", dir="/dev/shm"))
         stack.callback(shutil.rmtree, disk_base, True)
         stack.callback(shutil.rmtree, shm_base, True)
+        stack.callback(stop_shared_s3_server)  # the real S3 mounts' moto, if one was started
         roots = {"disk": disk_base / "stage", "shm": shm_base / "stage"}
         for root in roots.values():
             root.mkdir(mode=0o700)
@@ -589,7 +628,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             with destination(dest_name, disk_base, shm_base, roots, hostile_mount) as (
                 dest_root,
                 root_for,
-                server_pid,
+                server_pids,
             ):
                 for workload in WORKLOADS:
                     names = runnable(dest_name, workload)
@@ -602,7 +641,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             names, len(names)
                         )
                         for name in order:
-                            server_before = process_cpu_seconds(server_pid)
+                            server_before = process_cpu_seconds(server_pids)
                             result = run_one(
                                 name,
                                 dest_root / f"run-{done_runs}",
@@ -613,9 +652,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 zygotes,
                                 args.drop_caches,
                             )
-                            if server_pid is not None:
+                            if server_pids:
                                 result["server_cpu_s"] = (
-                                    process_cpu_seconds(server_pid) - server_before
+                                    process_cpu_seconds(server_pids) - server_before
                                 )
                             result.update(
                                 dest=dest_name, workload=workload, contender=name, rep=rep
@@ -677,6 +716,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             ),
             "drop_caches_available": drop_ok,
             "kit_backing": "/dev/shm (the kit's bytes land in RAM: the FUSE server is the only bottleneck)",
+            "real_mounts": (
+                f"{real_versions()}; rclone with --vfs-cache-mode off, rclone-local over a directory in /tmp, "
+                "rclone-s3 and s3fs over a bucket of a local moto S3 server (127.0.0.1, in memory); "
+                f"{args.repeats or sizes['real_repeats']} run(s) per contender; staging root /tmp"
+            ),
             "staging_roots": {
                 "disk": "near = /tmp (same fs: rename); far = /dev/shm (replace)",
                 "shm": "near = /dev/shm (same fs: rename); far = /tmp (replace)",
@@ -705,6 +749,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     for target in document["targets"]:
         print(f"[bench] {target['verdict']:7} {target['name']}: {target['display']}", flush=True)
     return 0
+
+
+def real_versions() -> str:
+    """rclone, s3fs and moto versions, as the tools report them."""
+    import re
+
+    found = []
+    for cmd, pattern, name in (
+        (["rclone", "version"], r"rclone v(\S+)", "rclone"),
+        (["s3fs", "--version"], r"V(\d+(?:\.\d+)+)", "s3fs"),
+    ):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+            match = re.search(pattern, out)
+            found.append(f"{name} {match[1] if match else '?'}")
+    with contextlib.suppress(Exception):
+        import importlib.metadata
+
+        found.append(f"moto {importlib.metadata.version('moto')}")
+    return ", ".join(found)
 
 
 def machine_info() -> dict[str, Any]:

@@ -161,7 +161,8 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="mount real hostile filesystems and save to each, without and with safestage",
         description="Mount the hostile FUSE filesystems of safestage.testing (needs fuse3 and "
-        "/dev/fuse), save the same tensors to each with plain safetensors, then through "
+        "/dev/fuse) and real rclone and s3fs mounts of a local S3 server (needs rclone, s3fs "
+        "and moto[server]), save the same tensors to each with plain safetensors, then through "
         "safestage, and print what happened side by side.",
     )
     demo.set_defaults(handler=_demo)

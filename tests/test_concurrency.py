@@ -8,6 +8,7 @@ tensors (no torn file, no mix of two writers), no temp or staging leftovers, and
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -96,8 +98,12 @@ class TempWatcher:
         self._stop.set()
         self._thread.join(10)
 
-    def check(self, finals: list[str]) -> None:
+    def check(self, finals: list[str], *, fuse_hidden: bool = False) -> None:
+        """``fuse_hidden``: allow libfuse's ``.fuse_hidden*`` names (s3fs: a file replaced
+        while a reader holds it is renamed so, and removed when the reader lets go)."""
         for name in self.seen:
+            if fuse_hidden and name.startswith(".fuse_hidden"):
+                continue
             owner = parse_temp_name(name)
             assert owner is not None and owner.pid == os.getpid(), f"foreign entry {name}"
             if name.startswith(f".{RENAME_PROBE}.safestage-"):
@@ -107,10 +113,17 @@ class TempWatcher:
             )
 
 
+REAL = ("rclone-local", "rclone-s3", "s3fs")
+RCLONE = ("rclone-local", "rclone-s3")
+
+
 def _destination(
-    kind: str, tmp_path: Path, kit_mounts: dict[str, Any], shm_root: Path
+    kind: str, tmp_path: Path, mounts: Any, shm_root: Path
 ) -> tuple[Path, Path]:
-    """(destination directory, staging root)."""
+    """(destination directory, staging root). ``mounts``: the kit's mounts, or the pytest
+    request, from which the kit's or the real mounts are fetched as ``kind`` needs."""
+    if isinstance(mounts, pytest.FixtureRequest):
+        mounts = mounts.getfixturevalue("real_mounts" if kind in REAL else "kit_mounts")
     if kind == "disk-rename":
         root = tmp_path / "root"
         root.mkdir()
@@ -120,7 +133,7 @@ def _destination(
     else:
         root = tmp_path / "root"
         root.mkdir()
-        directory = Path(kit_mounts[kind].path) / f"conc-{uuid.uuid4().hex[:8]}"
+        directory = Path(mounts[kind].path) / f"conc-{uuid.uuid4().hex[:8]}"
     directory.mkdir()
     return directory, root
 
@@ -159,11 +172,11 @@ def run_threads(targets: list[Any]) -> None:
     assert not errors, errors
 
 
-@pytest.mark.parametrize("kind", ["disk-rename", "disk-replace", "hdfs"])
+@pytest.mark.parametrize("kind", ["disk-rename", "disk-replace", "hdfs", *REAL])
 def test_eight_threads_save_distinct_files_into_one_directory(
-    kind, tmp_path, kit_mounts, shm_root, restored
+    kind, tmp_path, request, shm_root, restored
 ):
-    directory, root = _destination(kind, tmp_path, kit_mounts, shm_root)
+    directory, root = _destination(kind, tmp_path, request, shm_root)
     finals = [f"model-{i:05d}-of-00008.safetensors" for i in range(8)]
     start = threading.Barrier(8)
 
@@ -191,6 +204,7 @@ def test_eight_threads_save_distinct_files_into_one_directory(
 @dataclass
 class SameFileRound:
     reads: list[int] = field(default_factory=list)  # the version each load saw
+    mixed: int = 0  # rclone: loads that got tensors of two versions (see below)
     transient: list[str] = field(default_factory=list)
     reader_errors: list[BaseException] = field(default_factory=list)
     writer_errors: list[BaseException] = field(default_factory=list)
@@ -224,6 +238,12 @@ def same_file_round(kind: str, directory: Path, root: Path, name: str) -> SameFi
                     continue
                 raise
             tags = [tag for tag, tensors in versions.items() if equal(loaded, tensors)]
+            if not tags and kind in RCLONE:
+                # rclone (no write cache) reads an open file by its name: a load that began
+                # on one version reads on in the object that replaced it. Not safestage's to
+                # prevent (test_real_mounts.test_a_reader_gets_a_mix_of_two_versions_on_rclone).
+                result.mixed += 1
+                continue
             assert len(tags) == 1, (
                 f"read {len(result.reads)}: the file is no writer's complete version"
             )
@@ -246,7 +266,7 @@ def same_file_round(kind: str, directory: Path, root: Path, name: str) -> SameFi
             writers_done.set()
             reading.join(120)
     assert not reading.is_alive(), "the reader hung"
-    watcher.check([name])
+    watcher.check([name], fuse_hidden=kind == "s3fs")
     final = load_file(str(dest))
     winners = [tag for tag in range(1, 9) if equal(final, versions[tag])]
     assert len(winners) == 1, "the final file must be exactly one writer's save"
@@ -255,20 +275,26 @@ def same_file_round(kind: str, directory: Path, root: Path, name: str) -> SameFi
     return result
 
 
-@pytest.mark.parametrize("kind", ["disk-rename", "disk-replace"])
+@pytest.mark.parametrize("kind", ["disk-rename", "disk-replace", *REAL])
 def test_eight_threads_save_the_same_file_while_a_reader_loads_it(
-    kind, tmp_path, kit_mounts, shm_root, restored
+    kind, tmp_path, request, shm_root, restored
 ):
-    directory, root = _destination(kind, tmp_path, kit_mounts, shm_root)
+    directory, root = _destination(kind, tmp_path, request, shm_root)
     result = same_file_round(kind, directory, root, "model.safetensors")
     assert not result.writer_errors, result.writer_errors
     assert not result.reader_errors, (
         f"the reader saw a torn or missing file: {result.reader_errors!r}"
     )
     assert result.reads and result.records == 24
+    if kind == "s3fs":  # the reader's last replaced file goes once its tensors are freed
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while len(os.listdir(directory)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
     assert os.listdir(directory) == ["model.safetensors"] and os.listdir(root) == []
     print(
-        f"\n{kind}: {len(result.reads)} loads, every one a complete version; winner {result.winner}"
+        f"\n{kind}: {len(result.reads)} loads of a complete version, {result.mixed} of a mix "
+        f"of two; winner {result.winner}"
     )
 
 

@@ -1,6 +1,8 @@
 """Real faults, really injected: full filesystems (tmpfs ENOSPC), EIO at close and fsync (the
-kit's close-eio mount, an object store whose upload fails), a read-only mount, a missing
-destination directory, a staging root deleted under a running job.
+kit's close-eio mount, an object store whose upload fails), the network to S3 going away under
+the real rclone and s3fs mounts mid-upload, a read-only mount, a missing destination directory,
+a staging root deleted under a running job. (A full destination cannot be hosted on S3: the
+local server has no quota.)
 
 Each failure must be loud and useful: the documented class (StagingError / PublishError, both
 OSError) with errno, filename and advice in the message; the previous destination file intact
@@ -14,8 +16,10 @@ import errno
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +31,9 @@ from safetensors.torch import load_file, save_file
 
 import safestage
 from safestage import PublishError, StagingError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _s3_link import S3Link
 
 SMALL = {"w": torch.arange(64 * 1024, dtype=torch.float32)}  # 256 KiB
 BIG = {"w": torch.arange(700 * 1024, dtype=torch.float32)}  # 2.7 MiB > a 2 MiB tmpfs
@@ -189,6 +196,104 @@ def test_eio_at_fsync_or_close_fails_loudly(kit_mounts, stage_root, fsync, publi
         # never happen is a torn file left under the final name.
         assert leftovers == [], leftovers
         assert "no incomplete file is left" in str(error).lower()
+
+
+# -- the network to S3 going away under a real mount -------------------------------------------
+
+# s3fs retries a failed request 5 times by default, sleeping between tries: a save onto a dead
+# link took 260 s to fail here (42 s with retries=1). One retry keeps the test short; what is
+# tested, the error reaching close() or fsync(), is the same.
+S3_LINK_OPTIONS = {"rclone-s3": [], "s3fs": ["-o", "retries=1"]}
+# What each tool logs when the upload failed (the fault reached it, not something else).
+UPLOAD_FAILED = {"rclone-s3": "WriteFileHandle.Flush error", "s3fs": "Over retry count"}
+# When the link comes back: rclone, once safestage removes its temp (rclone's unlink of a file
+# whose upload failed sends no request); s3fs, once it gave up on the upload (its unlink needs
+# the network: with the link still down it fails after a minute of retries, and safestage then
+# says, wrongly but unavoidably, that a partial temp may be left: the bucket holds none).
+RESTORE_WHEN = {"rclone-s3": 'Remove: name=".model.safetensors.safestage-', "s3fs": "Over retry count"}
+
+
+@pytest.fixture(scope="module")
+def linked_mounts() -> Iterator[tuple[S3Link, dict[str, Any]]]:
+    """rclone-s3 and s3fs on a private S3 server, reached through a link a test can cut."""
+    from safestage.testing import S3Server, real_available, real_mount
+
+    for mode in S3_LINK_OPTIONS:
+        ok, reason = real_available(mode)
+        if not ok:
+            pytest.fail(f"the real mount {mode!r} is required and unavailable: {reason}", pytrace=False)
+    server = S3Server().start()
+    link = S3Link(server).start()
+    try:
+        with contextlib.ExitStack() as stack:
+            mounts = {
+                mode: stack.enter_context(real_mount(mode, server=link, options=options))  # type: ignore[arg-type]
+                for mode, options in S3_LINK_OPTIONS.items()
+            }
+            yield link, mounts
+    finally:
+        link.close()
+        server.stop()
+
+
+def restore_when_logged(link: S3Link, mount: Any, text: str, offset: int) -> threading.Thread:
+    """Bring the link back once the tool's log shows ``text`` (after ``offset``)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while text not in mount.server_log()[offset:] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        link.restore()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+# rclone's fsync is a no-op: fsync=False would test the same path again.
+@pytest.mark.parametrize(("mode", "fsync"), [("rclone-s3", True), ("s3fs", True), ("s3fs", False)])
+def test_s3_going_away_mid_upload_is_a_publish_error_and_the_old_file_stays(
+    linked_mounts, stage_root, mode, fsync
+):
+    """The link to S3 is reset 1 MiB into the upload of a 12 MiB file and refuses every new
+    connection until the tool has given up (RESTORE_WHEN). rclone uploads while the file is
+    written (its fsync is a no-op): the error comes at close; s3fs uploads at fsync, else at
+    close."""
+    link, mounts = linked_mounts
+    mount = mounts[mode]
+    directory = Path(mount.path) / f"link-{uuid.uuid4().hex[:8]}"
+    directory.mkdir()
+    dest = directory / "model.safetensors"
+    with safestage.staged(stage_root):
+        save_file(SMALL, str(dest))  # the previous checkpoint, complete in the bucket
+    old = dest.read_bytes()
+    big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: several upload parts
+    offset, cuts = len(mount.server_log()), link.stats()["cuts"]
+    link.cut_after(1 << 20)
+    watcher = restore_when_logged(link, mount, RESTORE_WHEN[mode], offset)
+    try:
+        with pytest.raises(PublishError) as info, safestage.staged(stage_root, fsync=fsync):
+            save_file(big, str(dest))
+    finally:
+        link.restore()
+        watcher.join(10)
+    error = info.value
+    stats = link.stats()
+    assert stats["cuts"] == cuts + 1 and stats["resets"], f"the link was never cut: {stats}"
+    assert UPLOAD_FAILED[mode] in mount.server_log()[offset:], "the tool never saw the upload fail"
+    assert error.errno == errno.EIO and error.filename == str(dest)
+    assert error.step == ("fsync" if fsync and mode == "s3fs" else "close"), str(error)
+    assert_one_line_message(error, str(dest), "EIO", "failed to store the data", "still holds its previous file")
+    assert "partial temp file is left" not in str(error)
+    assert_kept_copy(error, stage_root, big)
+    assert dest.read_bytes() == old  # through the mount, the link back up
+    assert_loads_equal(dest, SMALL)
+    time.sleep(0.5)  # rclone: a name removed before the tool's RELEASE could come back
+    assert listing(directory) == ["model.safetensors"]
+    prefix = f"{directory.name}/"
+    assert sorted(o for o in mount.objects() if o.startswith(prefix) and o != prefix) == [
+        f"{prefix}model.safetensors"
+    ], "the bucket must hold the old object only"
 
 
 # -- read-only destination ----------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """The demo behind ``safestage demo``: one real save per hostile destination, first with the
 plain safetensors writer, then through safestage. Returns rows; the CLI prints them.
+
+Destinations: the kit's hostile FUSE modes, the real rclone and s3fs tools mounting a bucket
+of a local S3 server (moto on 127.0.0.1), and the local disk.
 """
 
 from __future__ import annotations
@@ -8,12 +11,17 @@ import errno
 import os
 import stat
 import tempfile
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 DEMO_MODES = ("hdfs", "eopnotsupp", "objectstore", "mountpoint", "close-eio")
+DEMO_REAL_MODES = ("rclone-s3", "s3fs")
+# rclone uploads a file that was never written to at the kernel's FUSE RELEASE, after close()
+# returned: the empty temp file a failed plain save deleted shows up again a moment later.
+_SETTLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,7 @@ def run_demo(
     from safetensors.torch import save_file
 
     import safestage
-    from safestage.testing import hostile_mount
+    from safestage.testing import S3Server, hostile_mount, real_mount
 
     tensors = _tensors()
     rows: list[DemoRow] = []
@@ -86,16 +94,25 @@ def run_demo(
         base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="safestage-demo-")))
         staging_root = root or base / "staging"
         staging_root.mkdir(exist_ok=True)
-        destinations: list[tuple[str, Path]] = []
+        destinations: list[tuple[str, Path, bool]] = []
         for mode in DEMO_MODES:
             if progress:
                 progress(f"mounting a real '{mode}' FUSE filesystem")
             mount = stack.enter_context(hostile_mount(mode, base / f"mnt-{mode}"))
-            destinations.append((f"{mode} (FUSE)", Path(mount.path)))
+            destinations.append((f"{mode} (FUSE)", Path(mount.path), False))
+        if progress:
+            progress("starting a local S3 server (moto, 127.0.0.1)")
+        server = S3Server().start()
+        stack.callback(server.stop)  # after the mounts on it (the stack unwinds in reverse)
+        for mode in DEMO_REAL_MODES:
+            if progress:
+                progress(f"mounting a bucket with the real {mode.split('-')[0]}")
+            real = stack.enter_context(real_mount(mode, base / f"mnt-{mode}", server=server))
+            destinations.append((f"{mode} (real)", real.path, True))
         local = base / "disk"
         local.mkdir()
-        destinations.append(("local disk", local))
-        for label, mount_path in destinations:
+        destinations.append(("local disk", local, False))
+        for label, mount_path, settle in destinations:
             plain_dir, staged_dir = mount_path / "plain", mount_path / "staged"
             plain_dir.mkdir()
             staged_dir.mkdir()
@@ -103,6 +120,8 @@ def run_demo(
             try:
                 save_file(tensors, str(plain_dir / name))
             except Exception as exc:
+                if settle:
+                    time.sleep(_SETTLE_S)
                 extra = _leftovers(plain_dir, name)
                 plain_ok = False
                 plain = _short(exc) + (f"; left {', '.join(extra)}" if extra else "")

@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Optional
@@ -93,6 +93,7 @@ def tool_environment(extra: dict[str, str]) -> dict[str, str]:
 class RealMount:
     """One real mount: an rclone or s3fs process serving ``path`` in ``mode``.
 
+    ``options`` are appended to the tool's command line (see :func:`real_mount`).
     Attributes: ``path`` (the mountpoint), ``backing`` (the local directory holding the bytes,
     rclone-local only, else None), ``bucket`` and ``endpoint`` (S3 modes), ``mode``,
     ``command`` (the tool's argv), ``tool_pid`` (the supervisor; the tool is its child).
@@ -107,6 +108,7 @@ class RealMount:
         backing: Optional[PathLike] = None,
         server: Optional[S3Server] = None,
         timeout: float = MOUNT_TIMEOUT,
+        options: Sequence[str] = (),
     ) -> None:
         if mode not in REAL_MODES:
             raise ValueError(f"unknown real mode {mode!r}; choose one of {', '.join(REAL_MODES)}")
@@ -121,6 +123,7 @@ class RealMount:
         self.command: list[str] = []
         self._requested_path = path
         self._requested_backing = backing
+        self._options = list(options)
         self._server = server
         self._env: dict[str, str] = {}
         self._proc: Optional[subprocess.Popen[bytes]] = None
@@ -294,7 +297,7 @@ class RealMount:
             # people read in server_log().
             "-vv", "--log-format", "date,time,microseconds",
         ]  # fmt: skip
-        return command, tool_environment(extra)
+        return command + self._options, tool_environment(extra)
 
     def _s3fs_command(self) -> tuple[list[str], dict[str, str]]:
         assert self._ctl is not None
@@ -315,7 +318,7 @@ class RealMount:
             "-o", f"tmpdir={tmp}",  # its upload buffers, removed with the rest
             "-o", "dbglevel=info",
         ]  # fmt: skip
-        return command, tool_environment({})
+        return command + self._options, tool_environment({})
 
     def _mount(self) -> None:
         assert self._ctl is not None
@@ -402,15 +405,18 @@ def real_mount(
     *,
     backing: Optional[PathLike] = None,
     server: Optional[S3Server] = None,
+    options: Sequence[str] = (),
 ) -> Iterator[RealMount]:
     """Mount a real third-party filesystem for the duration of a ``with`` block.
 
     ``path``: the mountpoint (created if missing, must be empty; None: a fresh temp dir).
     ``backing``: rclone-local's directory (None: a fresh temp dir, removed afterwards).
     ``server``: the S3 server for the S3 modes (None: the process's shared one). Unmounts,
-    stops the tool and deletes the bucket even if the block raises.
+    ``options``: more arguments for the tool, after the kit's own (``["-o", "retries=1"]`` for
+    s3fs, ``["--low-level-retries", "1"]`` for rclone). Unmounts, stops the tool and deletes
+    the bucket even if the block raises.
     """
-    mount = RealMount(mode, path, backing=backing, server=server)
+    mount = RealMount(mode, path, backing=backing, server=server, options=options)
     mount.start()
     try:
         yield mount

@@ -63,6 +63,28 @@ def _stop(child: subprocess.Popen[bytes]) -> None:
             continue
 
 
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def _parent_gone(parent: int) -> bool:
+    """The parent exited, or is dying but cannot finish: SIGKILLed (or its main thread a
+    zombie) while a thread of it is blocked in a request to the very mount this supervisor
+    serves, e.g. a test killed while it read from a stalled mount. The kernel waits for the
+    tool's answer, the tool for its S3 server: without this the parent never exits and the
+    mount is never cleaned up. Unmounting answers the request and lets the parent die."""
+    if os.getppid() != parent:
+        return True
+    try:
+        with open(f"/proc/{parent}/status", encoding="ascii", errors="replace") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        if fields.get("State", "").split()[:1] == ["Z"]:
+            return True
+        pending = int(fields.get("SigPnd", "0"), 16) | int(fields.get("ShdPnd", "0"), 16)
+    except (OSError, ValueError):
+        return False
+    return bool(pending & _SIGKILL_BIT)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse_args(argv)
     try:
@@ -80,11 +102,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     while True:
         try:
-            return child.wait(timeout=_POLL)
+            code: Optional[int] = child.wait(timeout=_POLL)
         except subprocess.TimeoutExpired:
-            pass
+            code = None
         # Polling getppid() and not PR_SET_PDEATHSIG, for the thread reason in the docstring.
-        if os.getppid() != args.parent_pid:
+        # Checked after the tool exits too: a tool killed while its parent dies leaves its
+        # mount in the table, and nobody else is left to remove it.
+        if _parent_gone(args.parent_pid):
             sys.stderr.write(f"supervisor: parent {args.parent_pid} died, cleaning up\n")
             if args.unmount:
                 _lazy_unmount(args.unmount)
@@ -92,6 +116,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             for directory in args.remove:
                 shutil.rmtree(directory, ignore_errors=True)
             return 0
+        if code is not None:
+            return code
 
 
 if __name__ == "__main__":
