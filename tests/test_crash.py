@@ -251,8 +251,7 @@ KINDS = [
     "s3fs-replace",
 ]
 # A destination's share of the run's trials. A trial onto a real mount costs far more than
-# one onto the kit: an upload to the local S3 server, and on rclone a 5 s stall in every
-# replace (test_real_mounts.test_replace_onto_rclone_does_not_stall, xfail).
+# one onto the kit: an upload to the local S3 server (rclone: and its write-back delay).
 WEIGHTS = {
     "disk-rename": 8,
     "shm-to-disk-replace": 8,
