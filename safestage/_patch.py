@@ -39,6 +39,9 @@ _active: list[Stage] = []
 _ours: list[Any] = []  # our FunctionWrapper objects currently installed (compared by identity)
 _hooks_registered = False
 _in_save = threading.local()
+# Local directories that are staging already (safestage.staged_dir yields one): a save into
+# them, from any thread, goes straight to the original writer instead of being staged twice.
+_unstaged_dirs: list[Path] = []
 
 
 def current_stage() -> Optional[Stage]:
@@ -201,6 +204,25 @@ def bypass() -> Iterator[None]:
         _in_save.active = previous
 
 
+def add_unstaged_dir(directory: Path) -> None:
+    """Saves into ``directory`` or below (the kernel's path) are not staged until removed."""
+    with _lock:
+        _unstaged_dirs.append(directory)
+
+
+def remove_unstaged_dir(directory: Path) -> None:
+    with _lock:
+        for index in range(len(_unstaged_dirs) - 1, -1, -1):
+            if _unstaged_dirs[index] == directory:
+                del _unstaged_dirs[index]
+                break
+
+
+def _in_unstaged_dir(dest: Path) -> bool:
+    with _lock:
+        return any(dest.is_relative_to(directory) for directory in _unstaged_dirs)
+
+
 def _filename_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
     """(filename, positional?) of serialize_file(tensor_dict, filename, metadata=None)."""
     if len(args) >= 2:
@@ -215,10 +237,10 @@ def _staging_wrapper(
         return wrapped(*args, **kwargs)
     filename, positional = _filename_argument(args, kwargs)
     dest = _destination(filename)
-    if dest is None:
+    if dest is None or _in_unstaged_dir(dest):
         # Not a path we can stage, or a destination a plain save rejects before writing
         # (missing directory, a directory, a trailing slash): let safetensors raise exactly
-        # its own error.
+        # its own error. A staged_dir's local directory is a staging directory already.
         return wrapped(*args, **kwargs)
     stage = begin_save()
     if stage is None:
