@@ -20,17 +20,31 @@ SHM = Path("/dev/shm")
 
 pytest_plugins = ["pytester"]
 
+# The suite's own knobs, not safestage settings: kept (for the `suite_settings` fixture) when
+# the SAFESTAGE_* variables are cleared from the environment. (The same mechanism as on the
+# real-matrix branch, which adds SAFESTAGE_CRASH_TRIALS.)
+SUITE_VARIABLES = ("SAFESTAGE_CKPT_CRASH_TRIALS",)  # test_checkpoint_crash.py: SIGKILL trials
+_suite_settings: dict[str, str] = {}
+
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # The suite checks activation itself: a SAFESTAGE_* variable in the caller's environment
     # would switch staging on in this process (start-up hook) and in every child it starts.
     for name in [n for n in os.environ if n.startswith("SAFESTAGE")]:
-        del os.environ[name]
+        value = os.environ.pop(name)
+        if name in SUITE_VARIABLES:
+            _suite_settings[name] = value
     from safestage import _autoload
 
     if _autoload._stage is not None:
         _autoload._stage.close()
+
+
+@pytest.fixture(scope="session")
+def suite_settings() -> dict[str, str]:
+    """The suite's own SAFESTAGE_* knobs from the caller's environment (SUITE_VARIABLES)."""
+    return dict(_suite_settings)
 
 
 @pytest.fixture(autouse=True)
