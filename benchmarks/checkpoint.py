@@ -348,13 +348,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--only", nargs="*", default=None, help="slow hdfs s3fs rename latest digests")
+    parser.add_argument("--s3-shard-mib", type=int, default=None, help="shard size on s3fs (default 8)")
+    parser.add_argument("--out", default=None, help="file stem under results/ (default <date>-checkpoint)")
     args = parser.parse_args(argv)
     from safestage.testing import hostile_mount, real_mount, stop_shared_s3_server
 
     quick = args.quick
     repeats = args.repeats or (1 if quick else 5)
     shard = (8 if quick else 128) * MiB
-    s3_shard = (2 if quick else 8) * MiB
+    s3_shard = (args.s3_shard_mib or (2 if quick else 8)) * MiB
     wanted = set(args.only or ["digests", "slow", "hdfs", "s3fs", "rename", "latest"])
     results: dict[str, Any] = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(disk, ignore_errors=True)
 
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"{_dt.date.today().isoformat()}-checkpoint{'-quick' if quick else ''}"
+    stem = RESULTS / (args.out or f"{_dt.date.today().isoformat()}-checkpoint{'-quick' if quick else ''}")
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     stem.with_suffix(".md").write_text(report(results))
     print(report(results))

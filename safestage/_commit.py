@@ -146,7 +146,8 @@ class StagedDir:
         published: dict[str, Published] = {}
         manifest: Optional[Manifest] = None
         try:
-            os.unlink(private / DISPOSABLE_MARKER)  # from here on it may be the only copy
+            with contextlib.suppress(FileNotFoundError):  # from here on it may be the only copy
+                os.unlink(private / DISPOSABLE_MARKER)
             tree = _scan(local, dest)
             created = _prepare_destination(dest, tree, local, self.settings.fsync)
             self._publish_files(tree, local, published, created)
@@ -551,6 +552,22 @@ def _scan(local: Path, dest: Path) -> _Tree:
     """Every file and directory the block left, without following anything. Refused, before
     anything is published: symlinks (they could point anywhere, and object stores cannot
     hold one), FIFOs, sockets and devices, and a top-level file named like the commit file."""
+    try:
+        return _walk(local, dest)
+    except OSError as exc:  # a directory the block left unreadable, say
+        raise PublishError(
+            exc.errno,
+            f"safestage will not commit {dest}: cannot read {exc.filename or local}: "
+            f"[Errno {exc.errno}] {exc.strerror}. Nothing was published; the checkpoint is "
+            f"kept at {local}.",
+            exc.filename if isinstance(exc.filename, str) else str(local),
+            staged_path=str(local),
+            step="scan",
+            landed=(),
+        ) from exc
+
+
+def _walk(local: Path, dest: Path) -> _Tree:
     tree = _Tree()
     stack = [("", local)]
     while stack:

@@ -45,8 +45,9 @@ def tensors(seed: int, numel: int = 4096) -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(local: Path, seed: int = 0, *, numel: int = 4096, newline: bool = True) -> dict[str, bytes]:
-    """A Trainer-like tree: two safetensors shards, an index, JSON, a torch.save pickle in a
-    subdirectory, DCP's hidden .metadata, an empty directory, a name with a newline.
+    """A Trainer-like tree: two safetensors shards, an index, JSON, a torch.save pickle and an
+    empty file in a subdirectory, DCP's hidden .metadata, an empty directory, a name with a
+    newline.
     Returns {relative path: bytes}."""
     save_file(tensors(seed, numel), str(local / "model-00001-of-00002.safetensors"))
     save_file(tensors(seed + 1000, numel // 2), str(local / "model-00002-of-00002.safetensors"))
@@ -55,6 +56,7 @@ def write_checkpoint(local: Path, seed: int = 0, *, numel: int = 4096, newline: 
     (local / "state").mkdir()
     torch.save({"step": seed, "lr": torch.tensor([0.1 * seed])}, local / "state" / "optimizer.pt")
     (local / ".metadata").write_bytes(b"dcp" * (seed + 1))
+    (local / "state" / "scaler.pt").write_bytes(b"")  # empty files: rclone uploads them late
     (local / "empty").mkdir()
     if newline:
         (local / "notes\nwith newline.txt").write_text(f"seed {seed}")
@@ -526,7 +528,7 @@ def test_verify_never_follows_a_symlink_inside_the_checkpoint(committed: tuple[P
     elsewhere = tmp_path / "elsewhere"
     os.replace(dest / "state", elsewhere)
     os.symlink(elsewhere, dest / "state")
-    assert kinds(dest) == [("state/optimizer.pt", "unsafe-path")]
+    assert kinds(dest) == [("state/optimizer.pt", "unsafe-path"), ("state/scaler.pt", "unsafe-path")]
     shutil.copyfile(dest / "config.json", tmp_path / "config.json")
     os.unlink(dest / "config.json")
     os.symlink(tmp_path / "config.json", dest / "config.json")
@@ -640,7 +642,7 @@ def _clean_json(directory: Path) -> dict[str, Any]:
 def test_cli_verify_and_latest(committed: tuple[Path, dict[str, bytes]]) -> None:
     dest, expected = committed
     done = cli("verify", str(dest))
-    assert done.returncode == 0 and "complete: 7 files" in done.stdout, done
+    assert done.returncode == 0 and "complete: 8 files" in done.stdout, done
     done = cli("verify", "--deep", "--json", str(dest))
     report = json.loads(done.stdout)
     assert done.returncode == 0 and report["complete"] and report["bytes_read"] == sum(map(len, expected.values()))
