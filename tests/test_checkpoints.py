@@ -429,6 +429,36 @@ def test_destination_full(small_tmpfs: Path, shm_root: Path) -> None:
     shutil.rmtree(Path(info.value.staged_path).parent)  # type: ignore[arg-type]
 
 
+def test_the_commit_file_itself_does_not_fit(small_tmpfs: Path, shm_root: Path) -> None:
+    """Every data file lands and fills the destination to the last page: the commit file's
+    write fails (ENOSPC). The checkpoint is not complete, the error says all files landed."""
+    dest = small_tmpfs / "c"
+    dest.mkdir()
+    info = os.statvfs(dest)
+    free = info.f_bavail * info.f_frsize
+    with pytest.raises(PublishError) as error, safestage.staged_dir(dest, shm_root) as local:
+        (local / "a.bin").write_bytes(os.urandom(free - 8192))
+        (local / "b.bin").write_bytes(os.urandom(8192))
+    assert error.value.step == "commit" and error.value.errno == errno.ENOSPC
+    assert error.value.landed == ("a.bin", "b.bin") and error.value.not_landed == ()
+    assert "all 2 files landed" in str(error.value)
+    assert sorted(os.listdir(dest)) == ["a.bin", "b.bin"]  # no commit file, no temp
+    assert not safestage.is_complete(dest)
+    shutil.rmtree(Path(error.value.staged_path).parent)  # type: ignore[arg-type]
+
+
+def test_read_only_destination(small_tmpfs: Path, shm_root: Path) -> None:
+    (small_tmpfs / "c").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    for dest in (small_tmpfs / "c", small_tmpfs / "new"):
+        with pytest.raises(PublishError) as info, safestage.staged_dir(dest, shm_root) as local:
+            (local / "a.bin").write_bytes(b"a")
+        assert info.value.errno == errno.EROFS, info.value
+        assert info.value.landed == () and "a.bin" in (info.value.not_landed or ())
+        shutil.rmtree(Path(info.value.staged_path).parent)  # type: ignore[arg-type]
+    assert os.listdir(small_tmpfs) == ["c"] and os.listdir(small_tmpfs / "c") == []
+
+
 def test_commit_file_cannot_be_removed(tmp_path: Path, shm_root: Path) -> None:
     dest = tmp_path / "c"
     with safestage.staged_dir(dest, shm_root) as local:
@@ -513,6 +543,9 @@ def test_deep_verify_checks_safetensors_headers(tmp_path: Path, stage_root: Path
         (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [{"path": "a//b", "size": 1, "digest": "00000000"}]}', "empty"),
         (b'{"format": "safestage.commit", "version": 1, "digest": "sha1", "files": []}', "unknown digest"),
         (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [{"path": "a", "size": -1, "digest": "00000000"}]}', "bad size"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [{"path": "a", "size": 1, "digest": "00000000"}, {"path": "a", "size": 1, "digest": "00000000"}]}', "listed twice"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [{"path": "_SAFESTAGE_COMMIT.json", "size": 1, "digest": "00000000"}]}', "commit file itself"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32"}', "not a list"),
     ],
 )
 def test_a_commit_file_that_cannot_be_trusted(tmp_path: Path, content: bytes, why: str) -> None:
