@@ -225,6 +225,7 @@ def bench_destination(
     rng = random.Random(seed)
     contenders = CONTENDERS + extra
     runs: dict[str, list[float]] = {c: [] for c in contenders}
+    cpu: dict[str, list[float]] = {c: [] for c in contenders}  # this process + dd children
     nbytes = sum(p.stat().st_size for p in source.iterdir())
     run_commit(source, parent / "warmup", root, digest=True)  # rename probe, first mkdir
     remove(parent / "warmup")
@@ -234,6 +235,7 @@ def bench_destination(
         for contender in order:
             dest = parent / f"{contender}-{repeat}"
             subprocess.run(["sync"], check=True)
+            cpu_before = _cpu_seconds()
             if contender == "commit":
                 seconds = run_commit(source, dest, root, digest=True)
                 assert safestage.is_complete(dest)
@@ -247,6 +249,7 @@ def bench_destination(
             else:
                 seconds = run_dd(source, dest)
             runs[contender].append(seconds)
+            cpu[contender].append(_cpu_seconds() - cpu_before)
             remove(dest)
             print(f"  {name} {contender:<16} {seconds:7.3f} s", flush=True)
     summary = {
@@ -256,6 +259,7 @@ def bench_destination(
             "max_s": max(v),
             "median_mbps": nbytes / statistics.median(v) / 1e6,
             "runs": v,
+            "cpu_s": statistics.median(cpu[c]),
         }
         for c, v in runs.items()
     }
@@ -271,8 +275,18 @@ def bench_destination(
         summary["ratios"]["commit_direct_vs_best_copy"] = summary["commit-direct"]["median_s"] / min(
             summary["copy-loop"]["median_s"], summary["dd"]["median_s"]
         )
+    summary["ratios"]["digest_cpu_s_per_gib"] = (
+        (summary["commit"]["cpu_s"] - summary["commit-nodigest"]["cpu_s"]) * (1 << 30) / nbytes
+    )
     summary["bytes"] = nbytes
     return summary
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 # -- 3. rename: the digest is an extra read -------------------------------------------------------
@@ -365,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "streams": STREAMS,
         "python": sys.version.split()[0],
         "cpus": os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),  # the machine is shared: how busy it was
     }
     if "digests" in wanted:
         print("digest candidates ...", flush=True)
@@ -414,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
 
+    results["load_average_at_end"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
     stem = RESULTS / (args.out or f"{_dt.date.today().isoformat()}-checkpoint{'-quick' if quick else ''}")
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
@@ -425,7 +441,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(results: dict[str, Any]) -> str:
     lines = [f"# Checkpoint benchmarks, {results['date']} ({'quick' if results['quick'] else 'full'}, "
-             f"{results['repeats']} repeats, {results['streams']} streams, {results['cpus']} CPUs)", ""]  # fmt: skip
+             f"{results['repeats']} repeats, {results['streams']} streams, {results['cpus']} CPUs; "
+             f"load average {results['load_average_at_start'][0]:.1f} at start, "
+             f"{results.get('load_average_at_end', [0.0])[0]:.1f} at end)", ""]  # fmt: skip
     if "digests" in results:
         lines += ["## Digest candidates (4 MiB chunks)", "", "| digest | MB/s, 1 thread | MB/s, 2 threads |", "|---|---|---|"]
         for name, speed in sorted(results["digests"].items(), key=lambda kv: -kv[1]["mbps_1_thread"]):
@@ -436,8 +454,8 @@ def report(results: dict[str, Any]) -> str:
         lines += [
             "## Publishing a checkpoint (median s, min-max; MB/s)",
             "",
-            "| destination | commit | commit, no digest | copy loop | dd | commit / best copy | commit / copy loop | commit / dd | digest share |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| destination | commit | commit, no digest | copy loop | dd | commit / best copy | commit / copy loop | commit / dd | digest share | digest CPU |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for dest in rows:
             r = results[dest]
@@ -449,7 +467,8 @@ def report(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {dest} ({r['bytes'] / MiB:.0f} MiB) | {cell('commit')} | {cell('commit-nodigest')} | {cell('copy-loop')} | "
                 f"{cell('dd')} | {q['commit_vs_best_copy']:.2f}x | {q['commit_vs_copy_loop']:.2f}x | {q['commit_vs_dd']:.2f}x | "
-                f"{q['digest_share'] * 100:.1f}% (best-of-runs {q['digest_share_best_of_runs'] * 100:.1f}%) |"
+                f"{q['digest_share'] * 100:.1f}% (best-of-runs {q['digest_share_best_of_runs'] * 100:.1f}%) | "
+                f"{q['digest_cpu_s_per_gib']:.2f} CPU-s/GiB |"
             )
         for dest in rows:
             r = results[dest]

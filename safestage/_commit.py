@@ -516,8 +516,9 @@ def _refuse_symlink(target: Path, dest: Path, local: Path) -> None:
 
 
 def _local_name(name: str) -> str:
-    """The local directory is named like the destination, for people reading a PublishError."""
-    return f"{name}.dir" if name in (DISPOSABLE_MARKER, _STAGED_COMMIT) else name
+    """The local directory is named like the destination, for people reading a PublishError
+    (the destination "/" has no name)."""
+    return f"{name}.dir" if name in ("", DISPOSABLE_MARKER, _STAGED_COMMIT) else name
 
 
 def _discard(private: PrivateDir, local: Path) -> None:
