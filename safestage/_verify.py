@@ -112,7 +112,8 @@ def latest_complete(
     """The newest complete checkpoint directory in ``parent`` whose name matches ``pattern``
     (fnmatch, case-sensitive): the highest step number (the last run of digits in the name;
     names without one come last), then the latest commit (the commit file's mtime). None
-    if no directory there is complete."""
+    if no directory there is complete. A missing ``parent`` raises FileNotFoundError: a
+    mistyped or unmounted run directory must not look like a run with no checkpoint yet."""
     base = Path(os.fspath(parent))
     names = [name for name in os.listdir(base) if fnmatch.fnmatchcase(name, pattern)]
     names.sort(key=step_of, reverse=True)

@@ -619,6 +619,8 @@ def test_latest_complete_orders_by_step_number_then_commit_time(tmp_path: Path, 
     assert safestage.latest_complete(parent) == parent / "checkpoint-10"
     assert safestage.latest_complete(parent, deep=True) == parent / "checkpoint-10-b"
     assert safestage.latest_complete(parent, "step_*") is None
+    with pytest.raises(FileNotFoundError):  # an unmounted run directory is not "no checkpoint"
+        safestage.latest_complete(tmp_path / "not-mounted")
 
 
 def _make_many(backing: Path, count: int, complete: set[int]) -> None:
