@@ -5,6 +5,10 @@
         model.save_pretrained("/mnt/hdfs/ckpt")
     stage.records
 
+    with safestage.staged_dir("/mnt/s3/run42/checkpoint-1000") as local:   # whole directories
+        trainer_like_save(local)                                           # committed last
+    safestage.latest_complete("/mnt/s3/run42")                             # resume from here
+
 Importing safestage imports only the standard library: torch, safetensors and wrapt are
 touched when staging is first activated.
 """
@@ -12,25 +16,68 @@ touched when staging is first activated.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 from ._api import Stage, activate, is_active, staged, staged_file, wait
 from ._errors import ConfigError, PublishError, SafestageError, StagingError
 from ._stage import PublishRecord
 
+if TYPE_CHECKING:
+    from ._commit import StagedDir, staged_dir
+    from ._manifest import COMMIT_NAME, FileEntry, Manifest
+    from ._verify import Problem, VerifyResult, is_complete, latest_complete, verify
+
+# The checkpoint API is imported on first use: the start-up hook imports this package in
+# every process of a job with SAFESTAGE_* set, and the directory-commit modules cost ~20 ms.
+_LAZY = {
+    "StagedDir": "_commit",
+    "staged_dir": "_commit",
+    "COMMIT_NAME": "_manifest",
+    "FileEntry": "_manifest",
+    "Manifest": "_manifest",
+    "Problem": "_verify",
+    "VerifyResult": "_verify",
+    "is_complete": "_verify",
+    "latest_complete": "_verify",
+    "verify": "_verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'safestage' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "COMMIT_NAME",
     "ConfigError",
+    "FileEntry",
+    "Manifest",
+    "Problem",
     "PublishError",
     "PublishRecord",
     "SafestageError",
     "Stage",
+    "StagedDir",
     "StagingError",
+    "VerifyResult",
     "__version__",
     "activate",
     "is_active",
+    "is_complete",
+    "latest_complete",
     "staged",
+    "staged_dir",
     "staged_file",
+    "verify",
     "wait",
 ]
 

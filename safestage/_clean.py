@@ -19,7 +19,9 @@ a pid reused by another process: that only delays the cleanup).
 A staging directory that holds anything but safetensors' own torn temp (``.tmpXXXXXX``)
 is never removed, whatever its owner: a failed or interrupted publish keeps the only
 complete copy there (its PublishError says so), and so does a crash while publishing.
-Only the user, naming it, deletes a kept copy.
+Only the user, naming it, deletes a kept copy. The one exception is a ``staged_dir``
+directory marked ``safestage-disposable``: its owner died while the checkpoint was still
+being written into it (never complete), or after the commit had landed (published).
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ._locks import taken
-from ._names import Owner, is_writer_temp, parse_doctor_dir, parse_stage_dir, parse_temp_name
+from ._names import (
+    DISPOSABLE_MARKER,
+    Owner,
+    is_writer_temp,
+    parse_doctor_dir,
+    parse_stage_dir,
+    parse_temp_name,
+)
 
 # What each kind of leftover is, and the file type safestage creates for it.
 KINDS = {
@@ -188,6 +197,8 @@ def _kept_content(directory: Path) -> Optional[str]:
         names = sorted(os.listdir(directory))
     except OSError:
         return "entries it cannot list"  # do not guess
+    if DISPOSABLE_MARKER in names:
+        return None  # staged_dir: still being written, or already published (_names)
     return next((name for name in names if not is_writer_temp(name)), None)
 
 

@@ -157,6 +157,32 @@ def _parser() -> argparse.ArgumentParser:
     clean.add_argument("--json", action="store_true", help="print one JSON object")
     clean.set_defaults(handler=_clean)
 
+    verify = commands.add_parser(
+        "verify",
+        help="is a checkpoint directory complete? (its commit file against its files)",
+        description="Check the checkpoint directory PATH against its commit file "
+        "(_SAFESTAGE_COMMIT.json, written last by safestage.staged_dir): every listed file "
+        "there, with its size; --deep also reads every file for its CRC-32 and checks each "
+        ".safetensors header. Exit 0 complete, 1 not.",
+    )
+    verify.add_argument("path", metavar="PATH", type=Path, help="a checkpoint directory")
+    verify.add_argument("--deep", action="store_true", help="read every file: digests, safetensors headers")
+    verify.add_argument("--json", action="store_true", help="print one JSON object")
+    verify.set_defaults(handler=_verify)
+
+    latest = commands.add_parser(
+        "latest",
+        help="print the newest complete checkpoint directory in PARENT",
+        description="Print the newest complete checkpoint in PARENT: among the directories "
+        "matching --pattern, the highest step number in the name (its last run of digits), "
+        "then the latest commit. Exit 1 if none is complete.",
+    )
+    latest.add_argument("parent", metavar="PARENT", type=Path, help="the directory holding the checkpoints")
+    latest.add_argument("--pattern", metavar="P", default="checkpoint-*",
+                        help="fnmatch pattern of checkpoint names (default: checkpoint-*)")  # fmt: skip
+    latest.add_argument("--deep", action="store_true", help="verify candidates deeply (reads them)")
+    latest.set_defaults(handler=_latest)
+
     demo = commands.add_parser(
         "demo",
         help="mount real hostile filesystems and save to each, without and with safestage",
@@ -546,6 +572,48 @@ def _activation_text(report: Mapping[str, Any]) -> str:
     if not report["hook"]["installed"]:
         return "yes, but the start-up hook is not installed: only code calling safestage.staged() stages"
     return "yes: every safetensors save in a new Python process is staged"
+
+
+# -- verify, latest ----------------------------------------------------------------------------
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from ._verify import verify
+
+    result = verify(args.path, deep=args.deep)
+    if args.json:
+        _print_json(result.to_json())
+        return 0 if result.complete else 1
+    manifest = result.manifest
+    if result.complete and manifest is not None:
+        checked = f", {result.bytes_read} bytes read back, digests match" if args.deep else ""
+        writer = manifest.writer or {}
+        print(
+            f"{args.path}: complete: {len(manifest.files)} files, {manifest.total_bytes} bytes"
+            f"{checked}; committed {manifest.committed_at} by {writer.get('host', '?')} pid "
+            f"{writer.get('pid', '?')}"
+        )
+    else:
+        print(f"{args.path}: NOT complete")
+        for problem in result.problems:
+            print(f"  - {problem.path or '.'}: {problem.kind}: {problem.message}")
+    if args.deep and result.extra:
+        print(f"  not in the commit file (ignored): {', '.join(result.extra)}")
+    return 0 if result.complete else 1
+
+
+def _latest(args: argparse.Namespace) -> int:
+    from ._verify import latest_complete
+
+    error = _existing_directory("latest", args.parent)
+    if error is not None:
+        return error
+    found = latest_complete(args.parent, args.pattern, deep=args.deep)
+    if found is None:
+        print(f"safestage latest: no complete checkpoint matching {args.pattern!r} in {args.parent}", file=sys.stderr)
+        return 1
+    print(found)
+    return 0
 
 
 # -- clean -------------------------------------------------------------------------------------

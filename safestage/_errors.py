@@ -48,10 +48,16 @@ class PublishError(_PathError):
 
     ``staged_path`` is where the complete staged copy is kept (None if it could not be
     kept), so nothing is lost: copy it yourself or retry the save.
+
+    For a directory commit (``staged_dir``), ``landed`` and ``not_landed`` list the relative
+    paths of the files that reached the destination and of those that did not (kept under
+    ``staged_path``); no commit file was written. Both are None for a single file.
     """
 
     staged_path: Optional[str] = None
     step: Optional[str] = None
+    landed: Optional[tuple[str, ...]] = None
+    not_landed: Optional[tuple[str, ...]] = None
 
     def __init__(
         self,
@@ -61,10 +67,14 @@ class PublishError(_PathError):
         *,
         staged_path: Optional[str] = None,
         step: Optional[str] = None,
+        landed: Optional[tuple[str, ...]] = None,
+        not_landed: Optional[tuple[str, ...]] = None,
     ) -> None:
         super().__init__(errno, message, filename)
         self.staged_path = staged_path
         self.step = step
+        self.landed = landed
+        self.not_landed = not_landed
 
 
 def as_safetensors_error(exc: BaseException) -> BaseException:

@@ -53,6 +53,14 @@ _DOCTOR_RE = re.compile(rf"\.safestage-doctor-{_OWNER}\Z")
 _WRITER_TEMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}\Z")
 
 
+# A file safestage.staged_dir puts at the top of its private staging directory while the
+# directory holds nothing anyone needs: while the with-block is still writing the checkpoint
+# (a process killed then leaves an incomplete checkpoint), and again once the commit has
+# landed (a process killed while removing the directory leaves a partial copy). Sweeps and
+# `safestage clean` remove such a directory of a dead owner whatever else it holds.
+DISPOSABLE_MARKER = "safestage-disposable"
+
+
 @dataclass(frozen=True)
 class Owner:
     host: str

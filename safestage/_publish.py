@@ -32,7 +32,7 @@ import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from ._errors import PublishError
 from ._interrupts import deferred
@@ -69,11 +69,23 @@ _FILE_TYPES = (
 RENAME_PROBE = "safestage-rename-probe"
 
 
+class Digest(Protocol):
+    """What ``publish_file(digest=...)`` feeds the published bytes to (hashlib objects fit).
+
+    ``update`` may raise to abort the copy (a directory commit cancels its other files this
+    way): the target is then cleaned up as after any other error."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class Published:
     strategy: str
     nbytes: int
     seconds: float
+    digest: Optional[str] = None  # hexdigest of the published bytes, if asked for
 
 
 class _StepFailed(Exception):
@@ -174,11 +186,13 @@ def copy_to_new_file(
     chunk_bytes: int = CHUNK_BYTES,
     prepare: Optional[Callable[[int], None]] = None,
     before_create: Optional[Callable[[], None]] = None,
+    digest: Optional[Digest] = None,
 ) -> int:
     """Copy ``source`` into ``target`` opened with ``flags``; checked fsync, close and size.
 
     Sequential writes only, from one reusable buffer: memory stays at ``chunk_bytes`` whatever
-    the file size. ``prepare(fd)`` runs right after the open. Returns the byte count. Raises
+    the file size. ``prepare(fd)`` runs right after the open. ``digest``, if given, is updated
+    with every chunk as it is written (the bytes are read once). Returns the byte count. Raises
     _StepFailed naming the step that failed. Whatever is raised (KeyboardInterrupt too), the
     target's descriptor is closed before it propagates; removing the target is the caller's.
     """
@@ -196,7 +210,7 @@ def copy_to_new_file(
         if before_create is not None:
             before_create()
         copied = _copy_from(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
-                            chunk_bytes=chunk_bytes, prepare=prepare)  # fmt: skip
+                            chunk_bytes=chunk_bytes, prepare=prepare, digest=digest)  # fmt: skip
     try:
         size = os.stat(target).st_size
     except OSError as exc:
@@ -218,6 +232,7 @@ def _copy_from(
     fsync: bool,
     chunk_bytes: int,
     prepare: Optional[Callable[[int], None]],
+    digest: Optional[Digest],
 ) -> int:
     step = "create"
     try:
@@ -243,6 +258,8 @@ def _copy_from(
                 raise _StepFailed("read", exc, source) from exc
             if not count:
                 break
+            if digest is not None:
+                digest.update(view[:count])
             write_all(out_fd, view[:count])
             copied += count
         if fsync:
@@ -302,12 +319,18 @@ def publish_file(
     fsync: bool,
     staging_device: Optional[int],
     sync_directory: bool = True,
+    digest: Optional[Callable[[], Digest]] = None,
 ) -> Published:
     """Publish ``staged`` to ``dest``. On failure raise PublishError; ``staged`` is kept.
 
     With ``fsync``, the directory of a renamed file is fsync'ed too, unless the caller
     passes ``sync_directory=False`` to do that itself once it has counted the publish as
-    done (a Ctrl-C during that fsync must not make a published save look unpublished)."""
+    done (a Ctrl-C during that fsync must not make a published save look unpublished).
+
+    ``digest``: a factory of Digest objects (``hashlib.sha256``); the result's ``digest`` is
+    then the hexdigest of exactly the bytes published, computed while copying them (a fresh
+    object per copy attempt). ``rename`` copies nothing, so it reads the staged file once.
+    """
     started = time.perf_counter()
     directory = dest.parent
     try:
@@ -321,6 +344,7 @@ def publish_file(
 
     if strategy == "rename":
         try:
+            hexdigest = _digest_file(staged, digest()) if digest is not None else None
             nbytes = _rename_into_place(staged, dest, mode=mode, fsync=fsync)
         except _StepFailed as failed:
             # A bind mount of the same filesystem still answers EXDEV: copy instead.
@@ -330,14 +354,14 @@ def publish_file(
         else:
             if fsync and sync_directory:
                 fsync_directory(directory)
-            return Published("rename", nbytes, time.perf_counter() - started)
+            return Published("rename", nbytes, time.perf_counter() - started, hexdigest)
 
     if strategy == "replace":
         try:
-            nbytes = _replace(staged, dest, mode=mode, fsync=fsync)
+            nbytes, hexdigest = _replace(staged, dest, mode=mode, fsync=fsync, digest=digest)
             if fsync and sync_directory:
                 fsync_directory(directory)
-            return Published("replace", nbytes, time.perf_counter() - started)
+            return Published("replace", nbytes, time.perf_counter() - started, hexdigest)
         except _StepFailed as failed:
             # Only a probe of the device decides that it cannot rename (issue 9): a refused
             # rename of this one file is this save's error. Without a verdict (the probe could
@@ -352,10 +376,25 @@ def publish_file(
             )  # fmt: skip
 
     try:
-        nbytes = _direct(staged, dest, mode=mode, fsync=fsync, previous=previous)
+        nbytes, hexdigest = _direct(
+            staged, dest, mode=mode, fsync=fsync, previous=previous, digest=digest
+        )
     except _StepFailed as failed:
         raise _publish_error(failed, dest, staged, "direct", existed=existed) from failed.error
-    return Published("direct", nbytes, time.perf_counter() - started)
+    return Published("direct", nbytes, time.perf_counter() - started, hexdigest)
+
+
+def _digest_file(path: Path, digest: Digest, chunk_bytes: int = CHUNK_BYTES) -> str:
+    """The hexdigest of ``path``, read once in chunks (for ``rename``, which copies nothing)."""
+    try:
+        with open(path, "rb", buffering=0) as source:
+            buffer = bytearray(chunk_bytes)
+            view = memoryview(buffer)
+            while count := source.readinto(buffer):
+                digest.update(view[:count])
+    except OSError as exc:
+        raise _StepFailed("read", exc, path) from exc
+    return digest.hexdigest()
 
 
 def _choose(publish: str, directory: Path, dest_device: int, staging_device: Optional[int]) -> str:
@@ -426,7 +465,9 @@ def _remember_direct(key: Hashable, directory: Path, error: OSError) -> None:
         )
 
 
-def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
+def _replace(
+    staged: Path, dest: Path, *, mode: int, fsync: bool, digest: Optional[Callable[[], Digest]]
+) -> tuple[int, Optional[str]]:
     """Copy into a fresh hidden sibling, then os.replace it over ``dest``. Our temp never
     outlives the call, whatever is raised (a KeyboardInterrupt mid-copy included).
 
@@ -438,10 +479,11 @@ def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
     """
     for _ in range(_TEMP_ATTEMPTS):
         temp = dest.parent / temp_name(dest.name)
+        hasher = digest() if digest is not None else None  # a fresh one per attempt
         try:
             nbytes = copy_to_new_file(
                 staged, temp, flags=os.O_CREAT | os.O_EXCL, mode=mode, fsync=fsync,
-                prepare=functools.partial(_lock_temp, temp),
+                prepare=functools.partial(_lock_temp, temp), digest=hasher,
             )  # fmt: skip
             try:
                 os.replace(temp, dest)
@@ -467,7 +509,7 @@ def _replace(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
             with deferred():
                 _best_effort_unlink(temp)
             raise
-        return nbytes
+        return nbytes, hasher.hexdigest() if hasher is not None else None
     error = OSError(errno.EBUSY, "another process keeps removing safestage's temp files here")
     exhausted = _StepFailed("create", error, dest.parent)
     exhausted.advice = (
@@ -486,16 +528,32 @@ def _lock_temp(temp: Path, write_fd: int) -> None:
 
 
 def _direct(
-    staged: Path, dest: Path, *, mode: int, fsync: bool, previous: Optional[os.stat_result]
-) -> int:
+    staged: Path,
+    dest: Path,
+    *,
+    mode: int,
+    fsync: bool,
+    previous: Optional[os.stat_result],
+    digest: Optional[Callable[[], Digest]],
+) -> tuple[int, Optional[str]]:
     """Write the final name itself: for destinations that cannot rename (#792). One direct
     publish of a given file at a time in this process: two would interleave their bytes."""
     with _direct_lock(dest):
-        return _direct_locked(staged, dest, mode=mode, fsync=fsync, previous=previous)
+        hasher = digest() if digest is not None else None
+        nbytes = _direct_locked(
+            staged, dest, mode=mode, fsync=fsync, previous=previous, digest=hasher
+        )
+        return nbytes, hasher.hexdigest() if hasher is not None else None
 
 
 def _direct_locked(
-    staged: Path, dest: Path, *, mode: int, fsync: bool, previous: Optional[os.stat_result]
+    staged: Path,
+    dest: Path,
+    *,
+    mode: int,
+    fsync: bool,
+    previous: Optional[os.stat_result],
+    digest: Optional[Digest],
 ) -> int:
     is_link = os.path.islink(dest)
     if previous is not None and not is_link:
@@ -507,7 +565,7 @@ def _direct_locked(
     try:
         nbytes = copy_to_new_file(
             staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=_regular_and_blocking,
-            before_create=aside.clear_the_name,
+            before_create=aside.clear_the_name, digest=digest,
         )  # fmt: skip
     except BaseException as exc:
         with deferred():

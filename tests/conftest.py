@@ -22,7 +22,10 @@ pytest_plugins = ["pytester"]
 
 # The suite's own knobs, not safestage settings: kept (for the `suite_settings` fixture) when
 # the SAFESTAGE_* variables are cleared from the environment.
-SUITE_VARIABLES = ("SAFESTAGE_CRASH_TRIALS",)  # test_crash.py: SIGKILL trials per run
+SUITE_VARIABLES = (
+    "SAFESTAGE_CRASH_TRIALS",  # test_crash.py: SIGKILL trials per run
+    "SAFESTAGE_CKPT_CRASH_TRIALS",  # test_checkpoint_crash.py: SIGKILL trials per run
+)
 _suite_settings: dict[str, str] = {}
 
 

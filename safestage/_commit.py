@@ -1,0 +1,672 @@
+"""``safestage.staged_dir``: a whole checkpoint directory, committed by a file written last.
+
+A training checkpoint is a directory (shards, index, config and tokenizer JSON, torch.save
+pickles, DCP's .metadata). A job killed while writing one in place leaves a directory that
+looks complete and is not, and no destination we serve can fix that with a directory rename
+(mountpoint-s3 has none, gcsfuse's is not atomic). So:
+
+1. the block writes the checkpoint into a fresh local directory (a private staging
+   directory of ``_stage``, locked, 0700); saves into it are not staged a second time;
+2. on success, the destination's commit file is removed first, so that a commit killed
+   half-way can never leave an old commit file vouching for a mix of old and new files;
+3. every file is published by ``_publish.publish_file`` (rename / replace / direct, size
+   verified, modes as for every save), ``max_pending`` at once, its CRC-32 computed while it
+   is copied;
+4. the commit file (``_manifest``) is published last, atomically where the destination can
+   rename (replace), direct where it cannot (an object store shows it only once complete).
+
+A failure keeps the local copy and says which files landed; the commit file is never
+written then, so ``verify`` and ``latest_complete`` see an incomplete checkpoint.
+
+The local directory's life, as sweeps and `safestage clean` see it (``_names``): it carries
+``safestage-disposable`` while the block writes (a process killed then leaves nothing worth
+keeping), loses it when the block returns (from then on it may hold the only complete copy:
+kept), and gets it back once the commit file has landed, just before it is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable, Optional
+
+from . import _config, _patch
+from ._config import UNSET, PathArg, Settings
+from ._errors import PublishError
+from ._manifest import COMMIT_NAME, Crc32, FileEntry, Manifest, new_manifest, unsafe_path
+from ._names import DISPOSABLE_MARKER
+from ._paths import real_directory
+from ._publish import Digest, Published, fsync_directory, publish_file
+from ._stage import PrivateDir, PublishRecord, StagingArea, remove_tree
+
+log = logging.getLogger("safestage")
+
+# The commit file as staged, beside (never inside) the directory the block writes.
+_STAGED_COMMIT = "safestage-commit.json"
+
+
+class _Cancelled(Exception):
+    """Raised from inside a copy to stop it: the commit was interrupted."""
+
+
+class _CancellableCrc32(Crc32):
+    """The digest of one copy, which also stops that copy at its next chunk once the commit
+    is interrupted (publish_file then removes what it had started: its Digest contract)."""
+
+    def __init__(self, cancel: threading.Event) -> None:
+        super().__init__()
+        self._cancel = cancel
+
+    def update(self, data: memoryview, /) -> None:
+        if self._cancel.is_set():
+            raise _Cancelled("the checkpoint commit was interrupted")
+        super().update(data)
+
+
+def _digest_factory(cancel: threading.Event) -> Callable[[], Digest]:
+    # A module-level seam: benchmarks/checkpoint.py swaps in a no-op digest to measure its cost.
+    return lambda: _CancellableCrc32(cancel)
+
+
+@dataclass
+class _Tree:
+    """What the block left in the local directory (relative '/'-separated paths)."""
+
+    files: list[tuple[str, int]] = field(default_factory=list)  # (path, size)
+    directories: list[str] = field(default_factory=list)  # every directory, parents first
+    empty: list[str] = field(default_factory=list)  # those with nothing inside
+
+
+class StagedDir:
+    """The context manager ``safestage.staged_dir()`` returns. ``with`` yields the local
+    directory to write the checkpoint into; after a successful block, ``records`` lists the
+    published files (the commit file last) and ``manifest`` is what the commit file says."""
+
+    def __init__(self, dest: PathArg, settings: Settings) -> None:
+        self.settings = settings
+        self._dest_argument = dest
+        self.dest: Optional[Path] = None  # the kernel's path of the destination, once entered
+        self.local: Optional[Path] = None
+        self.records: list[PublishRecord] = []
+        self.manifest: Optional[Manifest] = None
+        self._area: Optional[StagingArea] = None
+        self._private: Optional[PrivateDir] = None
+        self._state = "new"
+
+    def __enter__(self) -> Path:
+        if self._state != "new":
+            raise RuntimeError("this staged_dir was already used; call safestage.staged_dir() again")
+        self._state = "open"
+        dest = destination_directory(self._dest_argument)
+        area = StagingArea(self.settings.staging_root(), is_default=self.settings.root is None)
+        private = area.new_private_dir()
+        local = private / _local_name(dest.name)
+        try:
+            _mark_disposable(private)  # until the block returns: an unfinished checkpoint
+            os.mkdir(local)
+        except BaseException:
+            _to_completion(lambda: _discard(private, local))
+            raise
+        self.dest, self.local, self._area, self._private = dest, local, area, private
+        _patch.add_unstaged_dir(local)
+        return local
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        private, local = self._private, self.local
+        assert private is not None and local is not None, "__exit__ without __enter__"
+        self._state = "closed"
+        _patch.remove_unstaged_dir(local)
+        if exc is not None:  # nothing is published; the block's exception propagates
+            _to_completion(lambda: _discard(private, local))
+            return
+        self._commit(private, local)
+
+    def __repr__(self) -> str:
+        return f"<safestage.StagedDir {self._state} dest={str(self.dest or self._dest_argument)!r}>"
+
+    # -- the commit ---------------------------------------------------------------------------
+
+    def _commit(self, private: PrivateDir, local: Path) -> None:
+        dest, area = self.dest, self._area
+        assert dest is not None and area is not None
+        started = time.perf_counter()
+        published: dict[str, Published] = {}
+        manifest: Optional[Manifest] = None
+        try:
+            with contextlib.suppress(FileNotFoundError):  # from here on it may be the only copy
+                os.unlink(private / DISPOSABLE_MARKER)
+            tree = _scan(local, dest)
+            created = _prepare_destination(dest, tree, local, self.settings.fsync)
+            self._publish_files(tree, local, published, created)
+            manifest = new_manifest(
+                [FileEntry(path, published[path].nbytes, published[path].digest or "")
+                 for path, _ in tree.files],
+                tree.empty,
+                _version(),
+            )  # fmt: skip
+            self._publish_commit_file(manifest, private, local, tree, created)
+        except BaseException as exc:
+            if manifest is not None and not isinstance(exc, Exception) and _landed(dest, manifest):
+                # Interrupted after the commit file landed: the checkpoint is complete.
+                self._finish(private, local, manifest)
+                _note(exc, f"safestage: interrupted after {dest} was committed (it is complete)")
+                raise
+            private.release()  # the local copy stays: what it holds is never swept
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
+                _note(exc, _kept_text(dest, local, published))
+            raise
+        self._finish(private, local, manifest)
+        log.debug(
+            "%s: committed %d files, %d bytes in %.3fs",
+            dest, len(manifest.files), manifest.total_bytes, time.perf_counter() - started,
+        )  # fmt: skip
+
+    def _finish(self, private: PrivateDir, local: Path, manifest: Manifest) -> None:
+        self.manifest = manifest
+
+        def remove() -> None:
+            with contextlib.suppress(OSError):  # landed: a kill during the removal leaves junk
+                _mark_disposable(private)
+            _discard(private, local)
+
+        _to_completion(remove)
+
+    def _publish_files(
+        self, tree: _Tree, local: Path, published: dict[str, Published], created: set[Path]
+    ) -> None:
+        """Publish every file, largest first, on ``max_pending`` threads. After a failure no
+        new file starts and those in flight finish; after an interrupt those in flight stop
+        too (at their next chunk), and no worker takes another file: nothing is copied once
+        this has returned or raised.
+
+        Plain threads taking paths from a shared iterator, not an executor: an interrupt can
+        land inside ``Thread.start()``, and an executor would by then have queued work that
+        the half-started thread runs after we raised; here it finds the work stopped."""
+        dest = self.dest
+        assert dest is not None
+        order = [path for path, _ in sorted(tree.files, key=lambda item: (-item[1], item[0]))]
+        work = _Work(order, _digest_factory)
+        interrupt: Optional[BaseException] = None
+        try:
+            for index in range(min(self.settings.max_pending, len(order))):
+                threading.Thread(
+                    target=work.run,
+                    args=(self._publish_one, local, created),
+                    name=f"safestage-commit-{index}",
+                ).start()
+        except BaseException as exc:  # KeyboardInterrupt: stop the copies in flight
+            interrupt = exc
+            work.stop(cancel=True)
+        absorbed = work.wait()
+        interrupt = interrupt or absorbed
+        for path in order:
+            if path in work.published:
+                published[path] = work.published[path]
+                self._record(dest / path, work.published[path])
+        if interrupt is not None:
+            raise interrupt
+        failures = [(path, work.errors[path]) for path in order if path in work.errors]
+        if failures:
+            raise _partial_error(dest, local, order, published, failures) from failures[0][1]
+
+    def _publish_one(
+        self, local: Path, created: set[Path], path: str, digest: Callable[[], Digest]
+    ) -> Published:
+        dest = self.dest
+        assert dest is not None and self._area is not None
+        target = dest / path
+        if target.parent not in created:  # a lookup saved per file (~26 ms each on s3fs)
+            _refuse_symlink(target, dest, local)
+        return publish_file(
+            local / path,
+            target,
+            publish=self.settings.publish,
+            fsync=self.settings.fsync,
+            staging_device=self._area.device,
+            digest=digest,
+        )
+
+    def _publish_commit_file(
+        self, manifest: Manifest, private: PrivateDir, local: Path, tree: _Tree, created: set[Path]
+    ) -> None:
+        dest = self.dest
+        assert dest is not None and self._area is not None
+        staged = private / _STAGED_COMMIT
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            data = memoryview(manifest.encode())
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+        target = dest / COMMIT_NAME
+        try:
+            if dest not in created:
+                _refuse_symlink(target, dest, local)
+            result = publish_file(
+                staged,
+                target,
+                publish=self.settings.publish,
+                fsync=self.settings.fsync,
+                staging_device=self._area.device,
+            )
+        except OSError as exc:
+            landed = tuple(sorted(path for path, _ in tree.files))
+            raise PublishError(
+                exc.errno,
+                f"safestage could not commit {dest}: all {len(landed)} files landed, but the "
+                f"commit file {COMMIT_NAME} could not be written ({exc}). {dest} is therefore "
+                f"not complete (verify and latest_complete say so). Commit again; the local "
+                f"copy is kept at {local}.",
+                str(target),
+                staged_path=str(local),
+                step="commit",
+                landed=landed,
+                not_landed=(),
+            ) from exc
+        self._record(target, result)
+
+    def _record(self, target: Path, result: Published) -> None:
+        self.records.append(
+            PublishRecord(
+                destination=target,
+                bytes=result.nbytes,
+                strategy=result.strategy,
+                seconds=result.seconds,
+                serialize_seconds=0.0,
+                publish_seconds=result.seconds,
+            )
+        )
+
+
+class _Work:
+    """The files of one commit, handed out to worker threads one at a time.
+
+    Completion is counted here, not with Thread.join(): on CPython 3.11 a join() that a
+    KeyboardInterrupt cuts short can mark a live thread as stopped (the bpo-45274 handling
+    releases the thread's own state lock), and a later join() then returns at once."""
+
+    def __init__(self, order: list[str], digest: Callable[[threading.Event], Callable[[], Digest]]) -> None:
+        self._paths = iter(order)
+        self._exhausted = not order
+        self._running = 0  # workers publishing a file right now
+        self._done = threading.Condition()
+        self._failed = threading.Event()  # set: no worker takes another file
+        self._cancel = threading.Event()  # set: the copies in flight stop at their next chunk
+        self._digest = digest(self._cancel)
+        self.published: dict[str, Published] = {}
+        self.errors: dict[str, BaseException] = {}
+
+    def stop(self, *, cancel: bool) -> None:
+        with self._done:
+            self._failed.set()
+            if cancel:
+                self._cancel.set()
+            self._done.notify_all()
+
+    def run(
+        self,
+        publish: Callable[[Path, set[Path], str, Callable[[], Digest]], Published],
+        local: Path,
+        created: set[Path],
+    ) -> None:
+        while True:
+            with self._done:
+                path = None if self._failed.is_set() else next(self._paths, None)
+                if path is None:
+                    self._exhausted = True
+                    self._done.notify_all()
+                    return
+                self._running += 1
+            try:
+                result = publish(local, created, path, self._digest)
+            except BaseException as exc:  # recorded for the main thread, which raises it
+                with self._done:
+                    self.errors[path] = exc
+                self.stop(cancel=False)
+            else:
+                with self._done:
+                    self.published[path] = result
+            finally:
+                with self._done:
+                    self._running -= 1
+                    self._done.notify_all()
+
+    def wait(self) -> Optional[BaseException]:
+        """Until no file is in flight and none will start. An interrupt while waiting cancels
+        the copies in flight and the wait goes on; the first interrupt is returned."""
+        interrupt: Optional[BaseException] = None
+        while True:
+            try:
+                with self._done:
+                    self._done.wait_for(
+                        lambda: self._running == 0 and (self._exhausted or self._failed.is_set())
+                    )
+                return interrupt
+            except BaseException as exc:
+                self.stop(cancel=True)
+                interrupt = interrupt or exc
+
+
+def staged_dir(
+    dest: PathArg,
+    root: Optional[PathArg] = None,
+    *,
+    publish: Any = UNSET,
+    fsync: Any = UNSET,
+    max_pending: Any = UNSET,
+) -> StagedDir:
+    """Write a whole checkpoint directory locally; commit it to ``dest`` when the block succeeds.
+
+        with safestage.staged_dir("/mnt/s3/run42/checkpoint-1000") as local:
+            model.save_pretrained(local)
+            torch.save(optimizer.state_dict(), local / "optimizer.pt")
+
+    ``local`` is a fresh directory under the staging root ``root`` (default SAFESTAGE_DIR,
+    else $TMPDIR/safestage-<uid>); write anything into it, subdirectories too. When the
+    block returns, ``dest``'s commit file is removed, every file is published (``publish``,
+    ``fsync`` as for every save; ``max_pending`` files at once), then the commit file
+    ``_SAFESTAGE_COMMIT.json`` is written last. ``dest`` is created if missing (its parent
+    must exist). If the block raises, nothing is published and ``local`` is removed. If a
+    publish fails, PublishError says which files landed; no commit file is written and the
+    local copy is kept. Options are checked here (ConfigError), ``dest`` and the staging
+    root when the block starts.
+    """
+    settings = _config.resolve(root=root, publish=publish, fsync=fsync, max_pending=max_pending)
+    return StagedDir(dest, settings)
+
+
+# -- the destination ----------------------------------------------------------------------------
+
+
+def destination_directory(dest: PathArg) -> Path:
+    """The kernel's path of the checkpoint directory ``dest`` (symlinks followed, as any
+    writer into it would), which may not exist yet; its parent must. Raised before the block
+    runs, so that a typo costs nothing: PublishError ENOTDIR (a file is there), ENOENT (the
+    parent is missing: staged_dir creates the checkpoint directory, never its parents, which
+    on an unmounted mount point would quietly fill the local disk)."""
+    text = os.fspath(dest)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if not text or "\x00" in text:
+        raise PublishError(errno.EINVAL, f"safestage.staged_dir: {text!r} is not a directory path", text)
+    stripped = text.rstrip("/") or "/"
+    existing = real_directory(stripped)
+    if existing is not None:
+        return existing
+    head, name = os.path.split(stripped)
+    if os.path.lexists(stripped) or name in ("", ".", ".."):
+        raise PublishError(
+            errno.ENOTDIR,
+            f"safestage.staged_dir: {text} exists and is not a directory (or is a dangling "
+            "symlink): name a directory for the checkpoint.",
+            text,
+        )
+    parent = real_directory(head or ".")
+    if parent is None:
+        raise PublishError(
+            errno.ENOENT,
+            f"safestage.staged_dir: the parent directory of {text} does not exist (or is not a "
+            "directory): create it first. staged_dir creates the checkpoint directory itself, "
+            "never its parents (on a mount point that is not mounted they would land on the "
+            "local disk).",
+            text,
+        )
+    return parent / name
+
+
+def _prepare_destination(dest: Path, tree: _Tree, local: Path, fsync: bool) -> set[Path]:
+    """Create ``dest`` and its subdirectories, and remove its commit file first of all.
+    Returns the directories this call created (nothing in them can be in the way)."""
+    step = "mkdir"
+    created: set[Path] = set()
+    try:
+        if _make_directory(dest, dest, local):
+            created.add(dest)
+        else:
+            step = "invalidate"
+            try:
+                os.unlink(dest / COMMIT_NAME)
+            except FileNotFoundError:
+                pass
+            else:
+                if fsync:
+                    fsync_directory(dest)  # the removal first, on disk too, before any new file
+            step = "mkdir"
+        for directory in tree.directories:
+            if _make_directory(dest / directory, dest, local):
+                created.add(dest / directory)
+    except PublishError:
+        raise
+    except OSError as exc:
+        what = (
+            f"could not remove the previous commit file {dest / COMMIT_NAME}"
+            if step == "invalidate"
+            else f"could not create directory {exc.filename or dest}"
+        )
+        raise PublishError(
+            exc.errno,
+            f"safestage could not commit {dest}: {what}: [Errno {exc.errno}] {exc.strerror}. "
+            f"Nothing was published. The checkpoint is kept at {local}.",
+            str(dest),
+            staged_path=str(local),
+            step=step,
+            landed=(),
+            not_landed=tuple(sorted(path for path, _ in tree.files)),
+        ) from exc
+    return created
+
+
+def _make_directory(path: Path, dest: Path, local: Path) -> bool:
+    """mkdir ``path``: True if this made it, False if a real directory was there already."""
+    try:
+        os.mkdir(path)
+        return True
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise PublishError(
+            errno.ENOTDIR,
+            f"safestage could not commit {dest}: {path} is {kind}, where the checkpoint has a "
+            f"directory; staged_dir never writes through a symlink (it could point outside "
+            f"the checkpoint). Remove it and commit again. Nothing was published; the "
+            f"checkpoint is kept at {local}.",
+            str(path),
+            staged_path=str(local),
+            step="mkdir",
+            landed=(),
+        )
+    return False
+
+
+def _refuse_symlink(target: Path, dest: Path, local: Path) -> None:
+    """A symlink where a file of the checkpoint goes could make ``direct`` write outside the
+    checkpoint: refused for every strategy, so that the rule does not depend on the mount."""
+    try:
+        info = os.lstat(target)
+    except OSError:
+        return  # missing (a new file) or unreadable: publish_file decides
+    if stat.S_ISLNK(info.st_mode):
+        raise PublishError(
+            errno.ELOOP,
+            f"safestage will not publish {target}: it is a symlink (it could point outside "
+            f"the checkpoint {dest}). Remove it and commit again; the file is kept in {local}.",
+            str(target),
+            staged_path=str(local),
+            step="inspect",
+        )
+
+
+# -- the local directory ------------------------------------------------------------------------
+
+
+def _local_name(name: str) -> str:
+    """The local directory is named like the destination, for people reading a PublishError
+    (the destination "/" has no name)."""
+    return f"{name}.dir" if name in ("", DISPOSABLE_MARKER, _STAGED_COMMIT) else name
+
+
+def _discard(private: PrivateDir, local: Path) -> None:
+    """Remove the local directory, then the private one: the disposable marker goes last, so
+    that an interrupted removal still leaves a directory that sweeps know to remove."""
+    remove_tree(local)
+    private.remove()
+
+
+def _to_completion(cleanup: Callable[[], None], attempts: int = 10) -> None:
+    """Run an idempotent ``cleanup`` to its end even when a KeyboardInterrupt (or SystemExit)
+    lands in it: run it again, then raise the first interrupt. Errors propagate at once."""
+    interrupt: Optional[BaseException] = None
+    for _ in range(attempts):
+        try:
+            cleanup()
+            break
+        except Exception:
+            raise
+        except BaseException as exc:
+            interrupt = interrupt or exc
+    if interrupt is not None:
+        raise interrupt
+
+
+def _mark_disposable(private: PrivateDir) -> None:
+    fd = os.open(private / DISPOSABLE_MARKER, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.close(fd)
+
+
+def _scan(local: Path, dest: Path) -> _Tree:
+    """Every file and directory the block left, without following anything. Refused, before
+    anything is published: symlinks (they could point anywhere, and object stores cannot
+    hold one), FIFOs, sockets and devices, and a top-level file named like the commit file."""
+    try:
+        return _walk(local, dest)
+    except OSError as exc:  # a directory the block left unreadable, say
+        raise PublishError(
+            exc.errno,
+            f"safestage will not commit {dest}: cannot read {exc.filename or local}: "
+            f"[Errno {exc.errno}] {exc.strerror}. Nothing was published; the checkpoint is "
+            f"kept at {local}.",
+            exc.filename if isinstance(exc.filename, str) else str(local),
+            staged_path=str(local),
+            step="scan",
+            landed=(),
+        ) from exc
+
+
+def _walk(local: Path, dest: Path) -> _Tree:
+    tree = _Tree()
+    stack = [("", local)]
+    while stack:
+        relative, directory = stack.pop()
+        with os.scandir(directory) as listing:
+            entries = sorted(listing, key=lambda entry: entry.name)
+        if relative and not entries:
+            tree.empty.append(relative)
+        for entry in entries:
+            path = f"{relative}/{entry.name}" if relative else entry.name
+            info = entry.stat(follow_symlinks=False)
+            problem = unsafe_path(path)
+            if stat.S_ISLNK(info.st_mode):
+                problem = "is a symlink: copy the file it points to instead"
+            elif stat.S_ISDIR(info.st_mode):
+                tree.directories.append(path)
+                stack.append((path, Path(entry.path)))
+                continue
+            elif not stat.S_ISREG(info.st_mode):
+                problem = "is not a regular file or directory (a FIFO, socket or device)"
+            elif problem is not None:
+                problem = f"{problem}: that name is safestage's commit file, choose another"
+            if problem is not None:
+                raise PublishError(
+                    errno.EINVAL,
+                    f"safestage will not commit {dest}: {entry.path} {problem}. Nothing was "
+                    f"published; the checkpoint is kept at {local}.",
+                    entry.path,
+                    staged_path=str(local),
+                    step="scan",
+                    landed=(),
+                )
+            tree.files.append((path, info.st_size))
+    tree.directories.sort(key=lambda path: (path.count("/"), path))
+    return tree
+
+
+# -- what a failure says ------------------------------------------------------------------------
+
+
+def _partial_error(
+    dest: Path,
+    local: Path,
+    order: list[str],
+    published: dict[str, Published],
+    failures: list[tuple[str, BaseException]],
+) -> BaseException:
+    path, first = failures[0]
+    if not isinstance(first, OSError):
+        return first  # not an I/O failure (a bug, MemoryError): as it is
+    landed = tuple(sorted(published))
+    missing = tuple(sorted(p for p in order if p not in published))
+    return PublishError(
+        first.errno,
+        f"safestage could not commit {dest}: {len(landed)} of {len(order)} files landed "
+        f"({_some(landed)}), {len(missing)} did not ({_some(missing)}). No commit file was "
+        f"written: {dest} is not complete (verify and latest_complete say so). Every file "
+        f"that did not land is kept in {local}; commit again. First error, for {path}: {first}",
+        str(dest),
+        staged_path=str(local),
+        step=getattr(first, "step", None),
+        landed=landed,
+        not_landed=missing,
+    )
+
+
+def _some(paths: tuple[str, ...], limit: int = 5) -> str:
+    if not paths:
+        return "none"
+    shown = ", ".join(paths[:limit])
+    return shown if len(paths) <= limit else f"{shown} and {len(paths) - limit} more"
+
+
+def _kept_text(dest: Path, local: Path, published: dict[str, Published]) -> str:
+    landed = f"; {len(published)} files had landed ({_some(tuple(sorted(published)))})" if published else ""
+    return (
+        f"safestage: interrupted while committing {dest}; no commit file was written{landed}. "
+        f"The checkpoint is kept at {local}."
+    )
+
+
+def _note(exc: BaseException, text: str) -> None:
+    log.warning("%s", text)
+    if hasattr(exc, "add_note"):  # Python 3.11+: shown under the traceback
+        exc.add_note(text)
+
+
+def _landed(dest: Path, manifest: Manifest) -> bool:
+    """Whether ``dest`` holds exactly this commit file (after an interrupt: did it land?)."""
+    try:
+        with open(dest / COMMIT_NAME, "rb") as handle:
+            return handle.read() == manifest.encode()
+    except OSError:
+        return False
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+

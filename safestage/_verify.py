@@ -1,0 +1,339 @@
+"""Reading checkpoints back: ``verify``, ``is_complete``, ``latest_complete``.
+
+A checkpoint directory is complete when its commit file (``_manifest``) parses and every
+file it lists is a regular file of the listed size; ``deep`` also reads every file for its
+CRC-32 and checks that each ``.safetensors`` header parses and its data ends exactly at the
+end of the file. Nothing here writes, and nothing follows a symlink inside the checkpoint.
+
+Reads only what is needed, so that resuming from a parent holding a thousand checkpoints on
+a FUSE mount stays fast: ``latest_complete`` lists the parent once, orders the candidates by
+the step number in their names, and reads commit files newest first, stat()ing files only
+until the first complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import itertools
+import json
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ._config import PathArg
+from ._manifest import COMMIT_NAME, MAX_COMMIT_BYTES, Crc32, Manifest, ManifestError, parse
+from ._publish import CHUNK_BYTES
+
+# safetensors refuses headers above 100 MB (MAX_HEADER_SIZE in safetensors/src/tensor.rs).
+_MAX_HEADER = 100_000_000
+# Bits per element of each safetensors dtype (safetensors 0.6: F4 and F6 are sub-byte).
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}  # fmt: skip
+_DIGITS = re.compile(r"\d+")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason a checkpoint is not complete. ``path`` is relative to the checkpoint ("" for
+    the checkpoint itself); ``kind`` is one of not-a-directory, no-commit, bad-commit,
+    unsafe-path, missing, not-a-file, unreadable, size, digest, safetensors."""
+
+    path: str
+    kind: str
+    message: str
+
+
+@dataclass
+class VerifyResult:
+    """What ``verify`` found. ``complete`` is the answer; ``problems`` say why not."""
+
+    path: Path
+    deep: bool
+    manifest: Optional[Manifest] = None
+    problems: list[Problem] = field(default_factory=list)
+    files_checked: int = 0
+    bytes_read: int = 0  # deep: bytes read to check digests and headers
+    extra: list[str] = field(default_factory=list)  # deep: files the manifest does not list
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest is not None and not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        manifest = self.manifest
+        return {
+            "path": str(self.path),
+            "complete": self.complete,
+            "deep": self.deep,
+            "problems": [vars(problem) for problem in self.problems],
+            "files": len(manifest.files) if manifest else None,
+            "bytes": manifest.total_bytes if manifest else None,
+            "committed_at": manifest.committed_at if manifest else None,
+            "writer": manifest.writer if manifest else None,
+            "files_checked": self.files_checked,
+            "bytes_read": self.bytes_read,
+            "extra": self.extra,
+        }
+
+
+def verify(path: PathArg, *, deep: bool = False) -> VerifyResult:
+    """Check the checkpoint directory ``path`` against its commit file; never raises for
+    what it finds (missing files, a torn commit file, a missing directory: all problems)."""
+    directory = Path(os.fspath(path))
+    manifest, problem, _ = read_commit(directory)
+    if manifest is None:
+        assert problem is not None
+        if problem.kind == "no-commit" and not directory.is_dir():
+            what = "does not exist" if not os.path.lexists(directory) else "is not a directory"
+            problem = Problem("", "not-a-directory", f"{directory} {what}")
+        return VerifyResult(directory, deep, problems=[problem])
+    return check(directory, manifest, deep=deep)
+
+
+def is_complete(path: PathArg) -> bool:
+    """Whether ``path`` is a checkpoint directory whose commit file lists files that are all
+    there with their sizes (``verify(path).complete``)."""
+    return verify(path).complete
+
+
+def latest_complete(
+    parent: PathArg, pattern: str = "checkpoint-*", *, deep: bool = False
+) -> Optional[Path]:
+    """The newest complete checkpoint directory in ``parent`` whose name matches ``pattern``
+    (fnmatch, case-sensitive): the highest step number (the last run of digits in the name;
+    names without one come last), then the latest commit (the commit file's mtime). None
+    if no directory there is complete. A missing ``parent`` raises FileNotFoundError: a
+    mistyped or unmounted run directory must not look like a run with no checkpoint yet."""
+    base = Path(os.fspath(parent))
+    names = [name for name in os.listdir(base) if fnmatch.fnmatchcase(name, pattern)]
+    names.sort(key=step_of, reverse=True)
+    for _, group in itertools.groupby(names, key=step_of):
+        committed = []
+        for name in group:
+            manifest, _, mtime = read_commit(base / name)
+            if manifest is not None:
+                committed.append((mtime, name, manifest))
+        committed.sort(key=lambda item: (item[0], item[1]), reverse=True)
+        for _, name, manifest in committed:
+            if check(base / name, manifest, deep=deep).complete:
+                return base / name
+    return None
+
+
+def step_of(name: str) -> int:
+    """The step number in a checkpoint's name: its last run of digits (-1 if none)."""
+    found = _DIGITS.findall(name)
+    return int(found[-1]) if found else -1
+
+
+def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem], float]:
+    """(manifest, None, commit file mtime), or (None, the problem, 0.0)."""
+    target = directory / COMMIT_NAME
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, Problem("", "no-commit", f"no commit file {COMMIT_NAME} (never committed, or a commit was interrupted)"), 0.0
+    except OSError as exc:
+        kind = "bad-commit" if exc.errno == errno.ELOOP else "unreadable"
+        return None, Problem(COMMIT_NAME, kind, f"cannot open the commit file: {_text(exc)}"), 0.0
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_COMMIT_BYTES:
+            return None, Problem(COMMIT_NAME, "bad-commit", "the commit file is not a regular file of sane size"), 0.0
+        data = _read_to_end(fd, MAX_COMMIT_BYTES + 1)
+    except OSError as exc:
+        return None, Problem(COMMIT_NAME, "unreadable", f"cannot read the commit file: {_text(exc)}"), 0.0
+    finally:
+        os.close(fd)
+    try:
+        manifest = parse(data)
+    except ManifestError as exc:
+        return None, Problem(COMMIT_NAME, "bad-commit", f"the commit file cannot be trusted: {exc}"), 0.0
+    return manifest, None, info.st_mtime
+
+
+def check(directory: Path, manifest: Manifest, *, deep: bool) -> VerifyResult:
+    """Every file of ``manifest`` against ``directory``: type and size; deep, content too."""
+    result = VerifyResult(directory, deep, manifest)
+    safe_dirs: dict[str, Optional[str]] = {}  # parent path -> why it is unsafe (None: fine)
+    for entry in manifest.files:
+        result.files_checked += 1
+        why = _parents_problem(directory, entry.path, safe_dirs)
+        if why is not None:
+            result.problems.append(Problem(entry.path, "unsafe-path", why))
+            continue
+        target = directory / entry.path
+        try:
+            info = os.lstat(target)
+        except FileNotFoundError:
+            result.problems.append(Problem(entry.path, "missing", "listed in the commit file, not there"))
+            continue
+        except OSError as exc:
+            result.problems.append(Problem(entry.path, "unreadable", _text(exc)))
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            result.problems.append(Problem(entry.path, "not-a-file", "not a regular file (a symlink, a directory?)"))
+        elif info.st_size != entry.size:
+            result.problems.append(
+                Problem(entry.path, "size", f"{info.st_size} bytes, the commit file says {entry.size}")
+            )
+        elif deep:
+            result.problems += _deep_problems(target, entry.path, entry.digest, entry.size, result)
+    if deep:
+        result.extra = _extra_files(directory, manifest)
+    return result
+
+
+def _parents_problem(directory: Path, path: str, safe: dict[str, Optional[str]]) -> Optional[str]:
+    """Why a parent directory of ``path`` inside the checkpoint cannot be trusted (a symlink
+    could lead outside it), each checked once per verify; None when all are real directories."""
+    parts = path.split("/")[:-1]
+    for depth in range(1, len(parts) + 1):
+        parent = "/".join(parts[:depth])
+        if parent not in safe:
+            try:
+                info = os.lstat(directory / parent)
+            except OSError as exc:
+                safe[parent] = f"its directory {parent} cannot be inspected: {_text(exc)}"
+            else:
+                safe[parent] = (
+                    None if stat.S_ISDIR(info.st_mode) else f"its directory {parent} is not a directory (a symlink?)"
+                )
+        if safe[parent] is not None:
+            return safe[parent]
+    return None
+
+
+def _deep_problems(
+    target: Path, path: str, digest: str, size: int, result: VerifyResult
+) -> list[Problem]:
+    problems = []
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        return [Problem(path, "unreadable", _text(exc))]
+    try:
+        if path.endswith(".safetensors"):
+            header = safetensors_problem(fd, size)
+            if header is not None:
+                problems.append(Problem(path, "safetensors", header))
+        crc = Crc32()
+        buffer = bytearray(CHUNK_BYTES)
+        view = memoryview(buffer)
+        with os.fdopen(os.dup(fd), "rb", buffering=0) as source:
+            while count := source.readinto(buffer):
+                crc.update(view[:count])
+                result.bytes_read += count
+    except OSError as exc:
+        problems.append(Problem(path, "unreadable", _text(exc)))
+        return problems
+    finally:
+        os.close(fd)
+    if crc.hexdigest() != digest:
+        problems.append(
+            Problem(path, "digest", f"CRC-32 {crc.hexdigest()}, the commit file says {digest} (other content of the same size)")
+        )
+    return problems
+
+
+def safetensors_problem(fd: int, size: int) -> Optional[str]:
+    """Why the safetensors file open at ``fd`` (``size`` bytes) is not one, or None: its
+    header must parse and its tensors must cover the data that follows exactly."""
+    if size < 8:
+        return f"{size} bytes: shorter than the 8-byte header length"
+    (length,) = struct.unpack("<Q", _pread_exactly(fd, 8, 0))
+    if length > size - 8:
+        return f"the header announces {length} bytes, the file has {size - 8} after the length"
+    if length > _MAX_HEADER:
+        return f"a {length}-byte header (safetensors refuses more than {_MAX_HEADER})"
+    try:
+        header = json.loads(_pread_exactly(fd, length, 8))
+    except ValueError as exc:
+        return f"the header is not valid JSON: {exc}"
+    if not isinstance(header, dict):
+        return "the header is not a JSON object"
+    data_bytes = size - 8 - length
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            return f"tensor {name!r} has bad data_offsets {offsets!r}"
+        bits = _DTYPE_BITS.get(info.get("dtype"))
+        shape = info.get("shape")
+        if bits is not None and isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+            elements = 1
+            for dim in shape:
+                elements *= dim
+            if elements * bits != (offsets[1] - offsets[0]) * 8:
+                return f"tensor {name!r}: {info.get('dtype')} {shape} does not fill data_offsets {offsets}"
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    position = 0
+    for begin, end, name in spans:
+        if begin != position:
+            return f"tensor {name!r} starts at {begin}, expected {position} (a gap or an overlap)"
+        position = end
+    if position != data_bytes:
+        return f"the tensors hold {position} bytes of data, the file has {data_bytes}"
+    return None
+
+
+def _extra_files(directory: Path, manifest: Manifest) -> list[str]:
+    """Files under ``directory`` the manifest does not list (informational: a shard of an
+    older save with more shards, a leftover temp). Symlinks are not followed."""
+    listed = {entry.path for entry in manifest.files} | {COMMIT_NAME}
+    extra = []
+    for root, dirs, files in os.walk(directory):
+        relative = os.path.relpath(root, directory)
+        for name in files:
+            path = name if relative == "." else f"{relative}/{name}"
+            if path not in listed:
+                extra.append(path)
+        dirs.sort()
+    return sorted(extra)
+
+
+def _pread_exactly(fd: int, count: int, offset: int) -> bytes:
+    chunks = []
+    while count:
+        chunk = os.pread(fd, min(count, CHUNK_BYTES), offset)
+        if not chunk:
+            raise OSError(errno.EIO, "the file ended early while reading its header")
+        chunks.append(chunk)
+        count -= len(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_to_end(fd: int, limit: int) -> bytes:
+    chunks = []
+    total = 0
+    while total < limit:
+        chunk = os.read(fd, min(CHUNK_BYTES, limit - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+def _text(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "?")
+    return f"[Errno {exc.errno}] {name}: {exc.strerror or exc}"

@@ -1,0 +1,905 @@
+"""Whole checkpoints (issue 11): staged_dir commits a directory with a commit file written
+last; verify, is_complete and latest_complete read it back.
+
+Every test writes real files onto real destinations (disk, /dev/shm across devices, the
+hostile FUSE kit, real rclone and s3fs mounts) and checks what a user would: the bytes at
+the destination, the listing, the modes, the commit file against digests computed here
+independently (zlib.crc32 of the bytes read back), what is left in the staging root.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import safestage
+from safestage import COMMIT_NAME, PublishError
+from safestage._names import DISPOSABLE_MARKER, parse_stage_dir, parse_temp_name
+
+# -- a checkpoint, and what it must look like at the destination --------------------------------
+
+
+def tensors(seed: int, numel: int = 4096) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(numel, generator=generator),
+        "b16": torch.randn(257, generator=generator).to(torch.bfloat16),
+        "i8": torch.randint(-128, 127, (33,), dtype=torch.int8, generator=generator),
+    }
+
+
+def write_checkpoint(local: Path, seed: int = 0, *, numel: int = 4096, newline: bool = True) -> dict[str, bytes]:
+    """A Trainer-like tree: two safetensors shards, an index, JSON, a torch.save pickle and an
+    empty file in a subdirectory, DCP's hidden .metadata, an empty directory, a name with a
+    newline.
+    Returns {relative path: bytes}."""
+    save_file(tensors(seed, numel), str(local / "model-00001-of-00002.safetensors"))
+    save_file(tensors(seed + 1000, numel // 2), str(local / "model-00002-of-00002.safetensors"))
+    (local / "model.safetensors.index.json").write_text(json.dumps({"seed": seed}))
+    (local / "config.json").write_text(json.dumps({"hidden": 8, "seed": seed}))
+    (local / "state").mkdir()
+    torch.save({"step": seed, "lr": torch.tensor([0.1 * seed])}, local / "state" / "optimizer.pt")
+    (local / ".metadata").write_bytes(b"dcp" * (seed + 1))
+    (local / "state" / "scaler.pt").write_bytes(b"")  # empty files: rclone uploads them late
+    (local / "empty").mkdir()
+    if newline:
+        (local / "notes\nwith newline.txt").write_text(f"seed {seed}")
+    return {
+        str(path.relative_to(local)): path.read_bytes()
+        for path in sorted(local.rglob("*"))
+        if path.is_file()
+    }
+
+
+def assert_committed(dest: Path, expected: dict[str, bytes]) -> dict[str, Any]:
+    """dest holds exactly ``expected`` plus the commit file, whose entries match digests and
+    sizes computed here; every file 0644 (umask 022); no temp file. Returns the commit JSON."""
+    found = sorted(
+        str(path.relative_to(dest)) for path in dest.rglob("*") if path.is_file()
+    )
+    assert found == sorted([*expected, COMMIT_NAME]), found
+    for relative, data in expected.items():
+        assert (dest / relative).read_bytes() == data, relative
+        assert stat.S_IMODE(os.stat(dest / relative).st_mode) == 0o644, relative
+    document = json.loads((dest / COMMIT_NAME).read_bytes())
+    assert document["format"] == "safestage.commit" and document["version"] == 1
+    assert document["digest"] == "crc32"
+    assert [entry["path"] for entry in document["files"]] == sorted(expected)
+    for entry in document["files"]:
+        data = expected[entry["path"]]
+        assert entry["size"] == len(data), entry
+        assert entry["digest"] == f"{zlib.crc32(data):08x}", entry  # computed while copying
+    result = safestage.verify(dest, deep=True)
+    assert result.complete and result.problems == [] and result.extra == [], result
+    assert result.bytes_read == sum(len(data) for data in expected.values())
+    assert safestage.is_complete(dest)
+    return document
+
+
+def leftovers(root: Path) -> list[str]:
+    return sorted(os.listdir(root))
+
+
+# -- round trips --------------------------------------------------------------------------------
+
+
+def test_round_trip_on_disk_same_filesystem_renames(tmp_path: Path, stage_root: Path) -> None:
+    dest = tmp_path / "run" / "checkpoint-7"
+    dest.parent.mkdir()
+    commit = safestage.staged_dir(dest, stage_root)
+    with commit as local:
+        assert local.is_dir() and local.name == "checkpoint-7"
+        assert local.is_relative_to(stage_root) and not dest.exists()
+        expected = write_checkpoint(local, 7)
+    document = assert_committed(dest, expected)
+    assert document["directories"] == ["empty"] and (dest / "empty").is_dir()
+    assert {record.strategy for record in commit.records} == {"rename"}
+    assert commit.records[-1].destination == dest / COMMIT_NAME  # the commit file last
+    assert commit.manifest is not None and len(commit.manifest.files) == len(expected)
+    assert leftovers(stage_root) == []
+    for name, tensor in tensors(7).items():
+        assert torch.equal(load_file(str(dest / "model-00001-of-00002.safetensors"))[name], tensor)
+
+
+def test_round_trip_across_devices_replaces(tmp_path: Path, shm_root: Path) -> None:
+    dest = tmp_path / "checkpoint-1"
+    with safestage.staged_dir(str(dest) + "/", shm_root, max_pending=3) as local:  # str, trailing /
+        expected = write_checkpoint(local, 1)
+    assert_committed(dest, expected)
+    assert leftovers(shm_root) == []
+
+
+@pytest.mark.parametrize(
+    ("kit_dir", "strategy"),
+    [("hdfs", "replace"), ("mountpoint", "direct"), ("eopnotsupp", "replace"), ("objectstore", "replace")],
+    indirect=["kit_dir"],
+)
+def test_round_trip_on_the_kit(kit_dir: Path, strategy: str, stage_root: Path) -> None:
+    dest = kit_dir / "checkpoint-3"
+    commit = safestage.staged_dir(dest, stage_root)
+    with commit as local:
+        expected = write_checkpoint(local, 3)
+    assert_committed(dest, expected)
+    assert {record.strategy for record in commit.records} == {strategy}
+    assert leftovers(stage_root) == []
+
+
+# rclone holds an open for reading of a file being written for 5 s (then ENOENT), so every
+# replace onto rclone stalls 5 s in _publish._TempLock.take (found by the real-matrix work,
+# pinned there by a strict xfail). Until that is fixed, the rclone commits here publish all
+# their files at once (max_pending=8) to keep the suite's time down.
+@pytest.mark.parametrize("real_dir", ["rclone-local", "rclone-s3", "s3fs"], indirect=True)
+def test_round_trip_on_real_mounts(real_dir: Path, stage_root: Path) -> None:
+    dest = real_dir / "checkpoint-5"
+    with safestage.staged_dir(dest, stage_root, max_pending=8) as local:
+        expected = write_checkpoint(local, 5, numel=1024, newline=False)
+    document = assert_committed(dest, expected)
+    assert document["directories"] == ["empty"]  # recreated; object stores may not keep it
+    assert leftovers(stage_root) == []
+
+
+@pytest.mark.parametrize("real_dir", ["rclone-s3", "s3fs"], indirect=True)
+def test_a_name_the_destination_cannot_store_fails_loudly(real_dir: Path, stage_root: Path) -> None:
+    """A newline in a file name: fine on POSIX (and rclone-local), refused by both S3 mounts
+    here (found by this test: rclone-s3 fails the upload at close with EIO, s3fs at fsync
+    with ENOENT). PublishError names it, the other file lands, no commit file is written."""
+    dest = real_dir / "checkpoint-6"
+    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, stage_root, max_pending=8) as local:
+        (local / "config.json").write_text("{}")
+        (local / "notes\nwith newline.txt").write_text("x")
+    error = info.value
+    assert error.not_landed == ("notes\nwith newline.txt",) and error.landed == ("config.json",), error
+    assert error.errno in (errno.EIO, errno.ENOENT)
+    assert sorted(os.listdir(dest)) == ["config.json"]  # no commit file, no temp file
+    assert not safestage.is_complete(dest)
+    shutil.rmtree(Path(error.staged_path).parent)  # type: ignore[arg-type]
+
+
+def test_recommit_replaces_files_and_commit(tmp_path: Path, shm_root: Path) -> None:
+    dest = tmp_path / "checkpoint-2"
+    with safestage.staged_dir(dest, shm_root) as local:
+        write_checkpoint(local, 1)
+        (local / "only-in-old.bin").write_bytes(b"old")
+    with safestage.staged_dir(dest, shm_root) as local:
+        expected = write_checkpoint(local, 2)
+    # A file the new commit does not have stays (staged_dir never deletes user files), and is
+    # not part of the checkpoint: verify reports it as extra, not as a problem.
+    assert (dest / "only-in-old.bin").read_bytes() == b"old"
+    (dest / "only-in-old.bin").unlink()
+    assert_committed(dest, expected)
+
+
+def test_existing_file_keeps_its_mode_new_files_follow_the_umask(tmp_path: Path, shm_root: Path) -> None:
+    dest = tmp_path / "ckpt"
+    dest.mkdir()
+    (dest / "config.json").write_text("{}")
+    os.chmod(dest / "config.json", 0o640)
+    os.umask(0o027)
+    with safestage.staged_dir(dest, shm_root) as local:
+        (local / "config.json").write_text('{"a": 1}')
+        (local / "new.bin").write_bytes(b"x")
+        os.chmod(local / "new.bin", 0o600)  # the staged mode does not leak (atomicwrites' bug)
+    assert stat.S_IMODE(os.stat(dest / "config.json").st_mode) == 0o640
+    assert stat.S_IMODE(os.stat(dest / "new.bin").st_mode) == 0o640
+
+
+def test_empty_checkpoint_commits_an_empty_manifest(tmp_path: Path, stage_root: Path) -> None:
+    with safestage.staged_dir(tmp_path / "c", stage_root):
+        pass
+    assert os.listdir(tmp_path / "c") == [COMMIT_NAME]
+    assert safestage.verify(tmp_path / "c", deep=True).complete
+
+
+def test_empty_directories_are_recreated_but_not_required(tmp_path: Path, stage_root: Path) -> None:
+    dest = tmp_path / "c"
+    with safestage.staged_dir(dest, stage_root) as local:
+        (local / "a" / "b").mkdir(parents=True)
+        (local / "c").mkdir()
+        (local / "c" / "f").write_bytes(b"f")
+    assert (dest / "a" / "b").is_dir()
+    manifest = json.loads((dest / COMMIT_NAME).read_text())
+    assert manifest["directories"] == ["a/b"]
+    shutil.rmtree(dest / "a")  # an object store keeps no empty directory
+    assert safestage.is_complete(dest)
+
+
+# -- safetensors saves inside the block: never staged twice ----------------------------------------
+
+
+def test_saves_into_the_local_dir_are_not_staged_again_even_from_other_threads(
+    tmp_path: Path, shm_root: Path, stage_root: Path
+) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    with safestage.staged(shm_root) as stage, safestage.staged_dir(tmp_path / "c", stage_root) as local:
+        save_file(tensors(0), str(local / "a.safetensors"))
+        worker = threading.Thread(target=save_file, args=(tensors(1), str(local / "b.safetensors")))
+        worker.start()
+        worker.join()
+        save_file(tensors(2), str(other / "elsewhere.safetensors"))  # still staged
+        assert [record.destination for record in stage.records] == [other / "elsewhere.safetensors"]
+    assert [record.destination for record in stage.records] == [other / "elsewhere.safetensors"]
+    assert safestage.verify(tmp_path / "c", deep=True).complete
+    # After the block the local directory is gone, and the exemption with it.
+    from safestage import _patch
+
+    assert _patch._unstaged_dirs == []
+
+
+def test_saves_into_the_local_dir_with_staging_from_the_environment(tmp_path: Path, shm_root: Path) -> None:
+    script = (
+        "import sys, torch, safestage\n"
+        "from safetensors.torch import save_file\n"
+        "assert safestage.is_active()\n"
+        "with safestage.staged_dir(sys.argv[1], sys.argv[2]) as local:\n"
+        "    save_file({'w': torch.ones(3)}, str(local / 'm.safetensors'))\n"
+        "    assert sorted(p.name for p in local.iterdir()) == ['m.safetensors']\n"
+        "assert safestage._autoload._stage.records == []\n"
+    )
+    env = {**os.environ, "SAFESTAGE_DIR": str(shm_root)}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "c"), str(shm_root)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert safestage.verify(tmp_path / "c", deep=True).complete
+
+
+# -- the block raises, the destination is bad -----------------------------------------------------
+
+
+def test_a_block_that_raises_publishes_nothing_and_removes_the_local_dir(tmp_path: Path, stage_root: Path) -> None:
+    dest = tmp_path / "c"
+    with pytest.raises(ZeroDivisionError), safestage.staged_dir(dest, stage_root) as local:
+        write_checkpoint(local)
+        1 / 0  # noqa: B018
+    assert not dest.exists() and leftovers(stage_root) == []
+
+
+def test_a_block_that_raises_leaves_the_previous_commit_alone(tmp_path: Path, stage_root: Path) -> None:
+    dest = tmp_path / "c"
+    with safestage.staged_dir(dest, stage_root) as local:
+        expected = write_checkpoint(local, 1)
+    with pytest.raises(KeyboardInterrupt), safestage.staged_dir(dest, stage_root) as local:
+        write_checkpoint(local, 2)
+        raise KeyboardInterrupt
+    assert_committed(dest, expected)
+    assert leftovers(stage_root) == []
+
+
+def test_destination_checks_before_the_block_runs(tmp_path: Path, stage_root: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    ran = []
+    with pytest.raises(PublishError) as info, safestage.staged_dir(tmp_path / "file", stage_root):
+        ran.append(1)
+    assert info.value.errno == errno.ENOTDIR and not ran
+    with pytest.raises(PublishError) as info, safestage.staged_dir(tmp_path / "missing" / "c", stage_root):
+        ran.append(1)
+    assert info.value.errno == errno.ENOENT and "create it first" in str(info.value) and not ran
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    with pytest.raises(PublishError) as info, safestage.staged_dir(tmp_path / "dangling", stage_root):
+        ran.append(1)
+    assert info.value.errno == errno.ENOTDIR and not ran
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "nowhere").exists()
+    assert leftovers(stage_root) == []
+
+
+def test_a_destination_symlink_to_a_directory_is_followed(tmp_path: Path, stage_root: Path) -> None:
+    (tmp_path / "real").mkdir()
+    os.symlink("real", tmp_path / "latest")
+    with safestage.staged_dir(tmp_path / "latest", stage_root) as local:
+        expected = write_checkpoint(local)
+    assert (tmp_path / "latest").is_symlink()
+    assert_committed(tmp_path / "real", expected)
+
+
+def test_staged_dir_is_single_use(tmp_path: Path, stage_root: Path) -> None:
+    commit = safestage.staged_dir(tmp_path / "c", stage_root)
+    with commit:
+        pass
+    with pytest.raises(RuntimeError, match="already used"), commit:
+        pass
+
+
+# -- refused trees: nothing published, the previous commit untouched, the copy kept ---------------
+
+
+@pytest.mark.parametrize("what", ["symlink-file", "symlink-dir", "fifo", "commit-name"])
+def test_refused_entries(tmp_path: Path, stage_root: Path, what: str) -> None:
+    dest = tmp_path / "c"
+    with safestage.staged_dir(dest, stage_root) as local:
+        old = write_checkpoint(local, 1)
+    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, stage_root) as local:
+        write_checkpoint(local, 2)
+        if what == "symlink-file":
+            os.symlink("/etc/passwd", local / "state" / "passwd")
+        elif what == "symlink-dir":
+            os.symlink("/etc", local / "etc")
+        elif what == "fifo":
+            os.mkfifo(local / "pipe")
+        else:
+            (local / COMMIT_NAME).write_text("{}")
+    error = info.value
+    assert error.step == "scan" and error.landed == () and error.errno == errno.EINVAL
+    assert "Nothing was published" in str(error)
+    assert_committed(dest, old)  # refused before the previous commit was touched
+    kept = Path(error.staged_path)  # type: ignore[arg-type]
+    assert kept.is_dir() and (kept / "config.json").exists() and str(kept) in str(error)
+    assert not (kept.parent / DISPOSABLE_MARKER).exists()  # a complete copy: never swept
+    shutil.rmtree(kept.parent)
+
+
+def test_nested_commit_name_is_an_ordinary_file(tmp_path: Path, stage_root: Path) -> None:
+    with safestage.staged_dir(tmp_path / "c", stage_root) as local:
+        (local / "inner").mkdir()
+        (local / "inner" / COMMIT_NAME).write_text("not ours")
+        expected = {f"inner/{COMMIT_NAME}": b"not ours"}
+    assert_committed(tmp_path / "c", expected)
+
+
+def test_symlinks_at_the_destination_are_never_written_through(tmp_path: Path, stage_root: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.bin").write_bytes(b"keep")
+    dest = tmp_path / "c"
+    dest.mkdir()
+    os.symlink(outside, dest / "sub")  # where the checkpoint has a directory
+    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, stage_root, publish="direct") as local:
+        (local / "sub").mkdir()
+        (local / "sub" / "victim.bin").write_bytes(b"overwrite")
+    assert info.value.step == "mkdir" and "symlink" in str(info.value)
+    assert (outside / "victim.bin").read_bytes() == b"keep"
+    shutil.rmtree(Path(info.value.staged_path).parent)  # type: ignore[arg-type]
+    os.unlink(dest / "sub")
+    os.symlink(outside / "victim.bin", dest / "victim.bin")  # where the checkpoint has a file
+    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, stage_root, publish="direct") as local:
+        (local / "victim.bin").write_bytes(b"overwrite")
+        (local / "ok.bin").write_bytes(b"ok")
+    assert info.value.landed == () or info.value.landed == ("ok.bin",)
+    assert "victim.bin" in (info.value.not_landed or ())
+    assert (outside / "victim.bin").read_bytes() == b"keep"
+    assert not (dest / COMMIT_NAME).exists()
+
+
+# -- publish failures: which files landed, no commit file, the copy kept ---------------------------
+
+
+def test_a_failed_file_names_what_landed_and_keeps_the_rest(tmp_path: Path, shm_root: Path) -> None:
+    dest = tmp_path / "c"
+    with safestage.staged_dir(dest, shm_root) as local:
+        write_checkpoint(local, 1)
+    os.unlink(dest / "config.json")
+    os.mkdir(dest / "config.json")  # the new config.json cannot replace a directory
+    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, shm_root, max_pending=1) as local:
+        expected = write_checkpoint(local, 2)
+    error = info.value
+    assert error.not_landed is not None and "config.json" in error.not_landed
+    assert error.landed is not None and set(error.landed) | set(error.not_landed) == set(expected)
+    assert error.errno == errno.EISDIR
+    assert f"{len(error.landed)} of {len(expected)} files landed" in str(error)
+    # The old commit file went first: the mix of old and new files is not "complete".
+    assert not (dest / COMMIT_NAME).exists()
+    result = safestage.verify(dest)
+    assert not result.complete and result.problems[0].kind == "no-commit"
+    kept = Path(error.staged_path)  # type: ignore[arg-type]
+    for relative in error.not_landed:
+        assert (kept / relative).read_bytes() == expected[relative]  # kept, complete
+    for relative in error.landed:
+        assert (dest / relative).read_bytes() == expected[relative]
+    assert pickle.loads(pickle.dumps(error)).landed == error.landed
+    # Kept while it holds the only copy: a sweep of the root leaves it alone.
+    assert _clean_json(shm_root)["entries"][0]["action"] == "kept"
+
+
+def test_upload_failing_at_close(kit_mounts: dict[str, Any], stage_root: Path) -> None:
+    """close-eio: every upload fails at close(). Nothing lands, no commit file, all kept."""
+    dest = Path(kit_mounts["close-eio"].path) / f"c-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, stage_root) as local:
+        expected = write_checkpoint(local)
+    assert info.value.errno == errno.EIO and info.value.landed == ()
+    assert sorted(info.value.not_landed or ()) == sorted(expected)
+    assert kit_mounts["close-eio"].faults()["flush"] > 0  # the fault really fired
+    assert sorted(os.listdir(dest)) == ["empty", "state"]
+    kept = Path(info.value.staged_path)  # type: ignore[arg-type]
+    assert {str(p.relative_to(kept)) for p in kept.rglob("*") if p.is_file()} == set(expected)
+    shutil.rmtree(kept.parent)
+
+
+def test_destination_full(small_tmpfs: Path, shm_root: Path) -> None:
+    dest = small_tmpfs / "c"
+    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, shm_root, max_pending=1) as local:
+        (local / "big.bin").write_bytes(os.urandom(3 << 20))  # largest: published first, fails
+        (local / "small.bin").write_bytes(b"s")
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.landed == () and info.value.not_landed == ("big.bin", "small.bin")
+    assert sorted(os.listdir(dest)) == []  # after a failure no other file starts; no temp left
+    shutil.rmtree(Path(info.value.staged_path).parent)  # type: ignore[arg-type]
+
+
+def test_the_commit_file_itself_does_not_fit(small_tmpfs: Path, shm_root: Path) -> None:
+    """Every data file lands and fills the destination to the last page: the commit file's
+    write fails (ENOSPC). The checkpoint is not complete, the error says all files landed."""
+    dest = small_tmpfs / "c"
+    dest.mkdir()
+    info = os.statvfs(dest)
+    free = info.f_bavail * info.f_frsize
+    with pytest.raises(PublishError) as error, safestage.staged_dir(dest, shm_root) as local:
+        (local / "a.bin").write_bytes(os.urandom(free - 8192))
+        (local / "b.bin").write_bytes(os.urandom(8192))
+    assert error.value.step == "commit" and error.value.errno == errno.ENOSPC
+    assert error.value.landed == ("a.bin", "b.bin") and error.value.not_landed == ()
+    assert "all 2 files landed" in str(error.value)
+    assert sorted(os.listdir(dest)) == ["a.bin", "b.bin"]  # no commit file, no temp
+    assert not safestage.is_complete(dest)
+    shutil.rmtree(Path(error.value.staged_path).parent)  # type: ignore[arg-type]
+
+
+def test_read_only_destination(small_tmpfs: Path, shm_root: Path) -> None:
+    (small_tmpfs / "c").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    for dest in (small_tmpfs / "c", small_tmpfs / "new"):
+        with pytest.raises(PublishError) as info, safestage.staged_dir(dest, shm_root) as local:
+            (local / "a.bin").write_bytes(b"a")
+        assert info.value.errno == errno.EROFS, info.value
+        assert info.value.landed == () and "a.bin" in (info.value.not_landed or ())
+        shutil.rmtree(Path(info.value.staged_path).parent)  # type: ignore[arg-type]
+    assert os.listdir(small_tmpfs) == ["c"] and os.listdir(small_tmpfs / "c") == []
+
+
+def test_commit_file_cannot_be_removed(tmp_path: Path, shm_root: Path) -> None:
+    dest = tmp_path / "c"
+    with safestage.staged_dir(dest, shm_root) as local:
+        old = write_checkpoint(local, 1)
+    subprocess.run(["chattr", "+i", str(dest / COMMIT_NAME)], check=True)
+    try:
+        with pytest.raises(PublishError) as info, safestage.staged_dir(dest, shm_root) as local:
+            write_checkpoint(local, 2)
+        assert info.value.step == "invalidate" and info.value.landed == ()
+        assert "could not remove the previous commit file" in str(info.value)
+    finally:
+        subprocess.run(["chattr", "-i", str(dest / COMMIT_NAME)], check=True)
+    assert_committed(dest, old)
+    shutil.rmtree(Path(info.value.staged_path).parent)  # type: ignore[arg-type]
+
+
+# -- verify ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def committed(tmp_path: Path, stage_root: Path) -> tuple[Path, dict[str, bytes]]:
+    dest = tmp_path / "checkpoint-1"
+    with safestage.staged_dir(dest, stage_root) as local:
+        expected = write_checkpoint(local, 1)
+    return dest, expected
+
+
+def kinds(path: Path, deep: bool = False) -> list[tuple[str, str]]:
+    return [(problem.path, problem.kind) for problem in safestage.verify(path, deep=deep).problems]
+
+
+def test_verify_finds_missing_and_resized_files(committed: tuple[Path, dict[str, bytes]]) -> None:
+    dest, _ = committed
+    os.unlink(dest / "state" / "optimizer.pt")
+    with open(dest / "config.json", "a") as handle:
+        handle.write(" ")
+    assert kinds(dest) == [("config.json", "size"), ("state/optimizer.pt", "missing")]
+    assert not safestage.is_complete(dest)
+
+
+def test_deep_verify_finds_same_size_other_content(committed: tuple[Path, dict[str, bytes]]) -> None:
+    dest, _ = committed
+    shard = dest / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert kinds(dest) == []  # sizes match: the cheap check cannot see it
+    assert kinds(dest, deep=True) == [("model-00002-of-00002.safetensors", "digest")]
+
+
+def test_deep_verify_checks_safetensors_headers(tmp_path: Path, stage_root: Path) -> None:
+    good = tmp_path / "good.safetensors"
+    save_file(tensors(0), str(good))
+    data = good.read_bytes()
+    (length,) = __import__("struct").unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    cases = {
+        "short.safetensors": data[:4],
+        "truncated.safetensors": data[:-10],  # the tensors announce more data than there is
+        "padded.safetensors": data + b"\0" * 8,
+        "garbage.safetensors": data[:8] + b"x" * length + data[8 + length :],
+    }
+    header["w"]["data_offsets"][1] += 4  # overlaps the next tensor
+    raw = json.dumps(header).encode().ljust(length)
+    cases["overlap.safetensors"] = data[:8] + raw + data[8 + length :]
+    with safestage.staged_dir(tmp_path / "c", stage_root) as local:
+        for name, content in cases.items():
+            (local / name).write_bytes(content)
+        shutil.copyfile(good, local / "good.safetensors")
+    found = dict(kinds(tmp_path / "c", deep=True))
+    assert found == dict.fromkeys(cases, "safetensors"), safestage.verify(tmp_path / "c", deep=True).problems
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [', "not valid JSON"),
+        (b"{}", "not a safestage commit file"),
+        (b'{"format": "safestage.commit", "version": 2, "digest": "crc32", "files": []}', "newer safestage"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [{"path": "../x", "size": 1, "digest": "00000000"}]}', "'..'"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [{"path": "/etc/passwd", "size": 1, "digest": "00000000"}]}', "absolute"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [{"path": "a//b", "size": 1, "digest": "00000000"}]}', "empty"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "sha1", "files": []}', "unknown digest"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [{"path": "a", "size": -1, "digest": "00000000"}]}', "bad size"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [{"path": "a", "size": 1, "digest": "00000000"}, {"path": "a", "size": 1, "digest": "00000000"}]}', "listed twice"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32", "files": [{"path": "_SAFESTAGE_COMMIT.json", "size": 1, "digest": "00000000"}]}', "commit file itself"),
+        (b'{"format": "safestage.commit", "version": 1, "digest": "crc32"}', "not a list"),
+    ],
+)
+def test_a_commit_file_that_cannot_be_trusted(tmp_path: Path, content: bytes, why: str) -> None:
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / COMMIT_NAME).write_bytes(content)
+    result = safestage.verify(tmp_path / "c", deep=True)
+    assert not result.complete and [p.kind for p in result.problems] == ["bad-commit"]
+    assert why in result.problems[0].message
+
+
+def test_verify_never_follows_a_symlink_inside_the_checkpoint(committed: tuple[Path, dict[str, bytes]], tmp_path: Path) -> None:
+    dest, _ = committed
+    elsewhere = tmp_path / "elsewhere"
+    os.replace(dest / "state", elsewhere)
+    os.symlink(elsewhere, dest / "state")
+    assert kinds(dest) == [("state/optimizer.pt", "unsafe-path"), ("state/scaler.pt", "unsafe-path")]
+    shutil.copyfile(dest / "config.json", tmp_path / "config.json")
+    os.unlink(dest / "config.json")
+    os.symlink(tmp_path / "config.json", dest / "config.json")
+    assert ("config.json", "not-a-file") in kinds(dest)
+    os.unlink(dest / COMMIT_NAME)
+    os.symlink(tmp_path / "config.json", dest / COMMIT_NAME)
+    assert kinds(dest) == [(COMMIT_NAME, "bad-commit")]
+
+
+def test_verify_of_what_is_not_a_checkpoint(tmp_path: Path) -> None:
+    assert kinds(tmp_path / "missing") == [("", "not-a-directory")]
+    (tmp_path / "file").write_text("x")
+    assert kinds(tmp_path / "file") == [("", "not-a-directory")]
+    assert kinds(tmp_path) == [("", "no-commit")]
+
+
+def test_deep_verify_reports_extra_files(committed: tuple[Path, dict[str, bytes]]) -> None:
+    dest, _ = committed
+    (dest / "model-00003-of-00003.safetensors").write_bytes(b"an older save's shard")
+    result = safestage.verify(dest, deep=True)
+    assert result.complete and result.extra == ["model-00003-of-00003.safetensors"]
+
+
+# -- latest_complete -------------------------------------------------------------------------------
+
+
+def commit_tiny(dest: Path, root: Path, content: bytes = b"x") -> None:
+    with safestage.staged_dir(dest, root) as local:
+        (local / "model.bin").write_bytes(content)
+
+
+def test_latest_complete_orders_by_step_number_then_commit_time(tmp_path: Path, stage_root: Path) -> None:
+    parent = tmp_path / "run"
+    parent.mkdir()
+    assert safestage.latest_complete(parent) is None
+    for step in (9, 10, 100):
+        commit_tiny(parent / f"checkpoint-{step}", stage_root)
+    assert safestage.latest_complete(parent) == parent / "checkpoint-100"  # 100 > 10 > 9, not text order
+    os.unlink(parent / "checkpoint-100" / "model.bin")  # incomplete now
+    (parent / "checkpoint-200").mkdir()  # never committed
+    (parent / "checkpoint-300").write_text("a file")
+    (parent / "other-999").mkdir()
+    assert safestage.latest_complete(str(parent)) == parent / "checkpoint-10"
+    assert safestage.latest_complete(parent, "other-*") is None
+    # Two names with the same step: the later commit wins.
+    commit_tiny(parent / "checkpoint-10-b", stage_root)
+    os.utime(parent / "checkpoint-10" / COMMIT_NAME, (1, 1))
+    assert safestage.latest_complete(parent) == parent / "checkpoint-10-b"
+    os.utime(parent / "checkpoint-10-b" / COMMIT_NAME, (0, 0))
+    assert safestage.latest_complete(parent) == parent / "checkpoint-10"
+    # Names without digits come last; deep rejects a same-size corruption.
+    commit_tiny(parent / "checkpoint-final", stage_root)
+    assert safestage.latest_complete(parent) == parent / "checkpoint-10"
+    (parent / "checkpoint-10" / "model.bin").write_bytes(b"y")
+    assert safestage.latest_complete(parent) == parent / "checkpoint-10"
+    assert safestage.latest_complete(parent, deep=True) == parent / "checkpoint-10-b"
+    assert safestage.latest_complete(parent, "step_*") is None
+    with pytest.raises(FileNotFoundError):  # an unmounted run directory is not "no checkpoint"
+        safestage.latest_complete(tmp_path / "not-mounted")
+
+
+def _make_many(backing: Path, count: int, complete: set[int]) -> None:
+    """``count`` checkpoint directories written straight into a mount's backing directory
+    (fast), each with 4 files; only the steps in ``complete`` carry a commit file."""
+    files = {f"model-0000{i}-of-00004.safetensors": b"s" * (100 + i) for i in range(1, 5)}
+    manifest = {
+        "format": "safestage.commit", "version": 1, "digest": "crc32", "directories": [],
+        "files": [{"path": k, "size": len(v), "digest": f"{zlib.crc32(v):08x}"} for k, v in sorted(files.items())],
+    }  # fmt: skip
+    for step in range(count):
+        directory = backing / f"checkpoint-{step * 50}"
+        directory.mkdir()
+        for name, data in files.items():
+            (directory / name).write_bytes(data)
+        if step in complete:
+            (directory / COMMIT_NAME).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("mode", ["hdfs", "rclone-local"])
+def test_latest_complete_among_1000_on_fuse_is_fast(mode: str, kit_mounts: dict[str, Any], real_mounts: dict[str, Any]) -> None:
+    """The newest 20 were never committed (a job preempted 20 times): latest_complete lists the
+    parent once, opens 21 commit files and stats 4 files. The speed goal (< 1 s) is measured
+    in benchmarks/checkpoint.py; here a generous bound catches a pathology (reading every
+    checkpoint)."""
+    mount = kit_mounts[mode] if mode in kit_mounts else real_mounts[mode]
+    name = f"many-{uuid.uuid4().hex[:8]}"
+    (Path(mount.path) / name).mkdir()  # through the mount (rclone caches listings it has made)
+    backing = Path(mount.backing) / name
+    try:
+        _make_many(backing, 1000, complete=set(range(0, 980)))
+        parent = Path(mount.path) / name
+        started = time.perf_counter()
+        found = safestage.latest_complete(parent)
+        seconds = time.perf_counter() - started
+        assert found == parent / "checkpoint-48950"
+        assert seconds < 5, f"latest_complete took {seconds:.2f} s over 1000 checkpoints on {mode}"
+    finally:
+        shutil.rmtree(backing)
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "safestage", *args], capture_output=True, text=True, timeout=60)
+
+
+def _clean_json(directory: Path) -> dict[str, Any]:
+    done = cli("clean", "--json", str(directory))
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def test_cli_verify_and_latest(committed: tuple[Path, dict[str, bytes]]) -> None:
+    dest, expected = committed
+    done = cli("verify", str(dest))
+    assert done.returncode == 0 and "complete: 8 files" in done.stdout, done
+    done = cli("verify", "--deep", "--json", str(dest))
+    report = json.loads(done.stdout)
+    assert done.returncode == 0 and report["complete"] and report["bytes_read"] == sum(map(len, expected.values()))
+    os.unlink(dest / "config.json")
+    done = cli("verify", str(dest))
+    assert done.returncode == 1 and "config.json: missing" in done.stdout
+    done = cli("verify", "--json", str(dest.parent / "nope"))
+    assert done.returncode == 1 and json.loads(done.stdout)["problems"][0]["kind"] == "not-a-directory"
+
+    done = cli("latest", str(dest.parent))
+    assert done.returncode == 1 and "no complete checkpoint" in done.stderr
+    commit_tiny(dest.parent / "step_0005", dest.parent / "stage-root")
+    done = cli("latest", str(dest.parent), "--pattern", "step_*")
+    assert done.returncode == 0 and done.stdout == f"{dest.parent / 'step_0005'}\n"
+    assert cli("latest", str(dest.parent / "nope")).returncode == 2
+
+
+# -- the staging root: what sweeps and `safestage clean` do with a staged_dir ----------------------
+
+
+_KILLED_WRITER = """
+import os, signal, sys, safestage
+with safestage.staged_dir(sys.argv[1], sys.argv[2]) as local:
+    (local / "half-written.bin").write_bytes(b"x" * 100)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_writer_killed_in_the_block_leaves_a_disposable_directory(tmp_path: Path, stage_root: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "c"), str(stage_root)], timeout=60)
+    assert done.returncode == -9
+    (name,) = os.listdir(stage_root)
+    assert parse_stage_dir(name) is not None
+    assert (stage_root / name / DISPOSABLE_MARKER).exists()
+    report = _clean_json(stage_root)
+    assert [entry["action"] for entry in report["entries"]] == ["removed"], report
+    assert leftovers(stage_root) == [] and not (tmp_path / "c").exists()
+
+
+_CLEANER = """
+import json, sys, time
+from pathlib import Path
+from safestage._clean import clean
+stop, directories = Path(sys.argv[1]), sys.argv[2:]
+while not stop.exists():
+    for directory in directories:
+        for path in [Path(directory), *Path(directory).glob("checkpoint-*")]:
+            try:
+                entries = clean(path)
+            except OSError:
+                continue
+            for entry in entries:
+                print(json.dumps(entry.to_json()), flush=True)
+"""
+
+
+def test_concurrent_clean_never_takes_a_live_commit(kit_mounts: dict[str, Any], stage_root: Path, tmp_path: Path) -> None:
+    """`safestage clean`'s code in a loop, in another process, on the staging root and on the
+    destinations, while commits run onto the throttled kit mount: every commit completes and
+    nothing of theirs is removed (their locks say they are alive)."""
+    parent = Path(kit_mounts["slow"].path) / f"run-{uuid.uuid4().hex[:8]}"
+    parent.mkdir()
+    stop = tmp_path / "stop"
+    cleaner = subprocess.Popen(
+        [sys.executable, "-c", _CLEANER, str(stop), str(stage_root), str(parent)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(1)  # the cleaner is looping
+        for step in range(4):
+            with safestage.staged_dir(parent / f"checkpoint-{step}", stage_root) as local:
+                expected = write_checkpoint(local, step, numel=2 << 20)  # ~12 MiB: ~30 ms
+            assert_committed(parent / f"checkpoint-{step}", expected)
+    finally:
+        stop.touch()
+        out, _ = cleaner.communicate(timeout=60)
+    entries = [json.loads(line) for line in out.splitlines()]
+    assert entries, "the cleaner never saw a live commit: the test proved nothing"
+    assert all(entry["action"] == "kept" for entry in entries), entries
+    assert safestage.latest_complete(parent) == parent / "checkpoint-3"
+
+
+# -- interrupts and concurrency --------------------------------------------------------------------
+
+
+def test_keyboard_interrupt_at_random_moments_of_a_commit(kit_mounts: dict[str, Any], stage_root: Path) -> None:
+    """A real SIGINT (Python's KeyboardInterrupt) delivered to the main thread at moments spread
+    over a commit onto the throttled kit mount. After each: no publishing thread left, no temp
+    file of ours, and either the commit file landed (complete, digests match, nothing kept) or
+    it did not and every file either landed (equal) or is kept locally (equal), the note
+    saying where; interrupted inside the block, nothing is kept."""
+    import random
+    import signal
+
+    parent = Path(kit_mounts["slow"].path) / f"int-{uuid.uuid4().hex[:8]}"
+    parent.mkdir()
+    source = stage_root.parent / "source"
+    source.mkdir()
+    expected = write_checkpoint(source, 3, numel=512 * 1024)  # ~3 MiB: ~10 ms at 400 MB/s
+    rng = random.Random(11)
+
+    def commit(dest: Path) -> None:
+        with safestage.staged_dir(dest, stage_root, max_pending=2) as local:
+            shutil.copytree(source, local, dirs_exist_ok=True)
+
+    started = time.perf_counter()
+    commit(parent / "calibration")
+    duration = time.perf_counter() - started
+    outcomes = {"in-block": 0, "during-commit": 0, "after-commit": 0}
+    for trial in range(30):
+        dest = parent / f"checkpoint-{trial}"
+        timer = threading.Timer(
+            rng.uniform(0, duration * 1.2), signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
+        )
+        try:
+            timer.start()  # inside: a signal may land before start() returns
+            commit(dest)
+            timer.join()  # the signal arrives here at the latest
+            time.sleep(1)
+            raise AssertionError("the SIGINT never arrived")
+        except KeyboardInterrupt as exc:
+            timer.join()
+            notes = getattr(exc, "__notes__", [])
+        # No copy goes on once the interrupt has propagated: the destination stays as it is.
+        # (A worker whose Thread.start() the interrupt cut short may still be starting: it
+        # finds its work cancelled and ends.)
+        snapshot = _snapshot(dest)
+        deadline = time.monotonic() + 2
+        while any(t.name.startswith("safestage-commit") for t in threading.enumerate()):
+            assert time.monotonic() < deadline, threading.enumerate()
+            time.sleep(0.01)
+        assert _snapshot(dest) == snapshot
+        strays = [name for name in snapshot if parse_temp_name(Path(name).name)]
+        assert not strays, strays
+        kept_dirs = []
+        for directory in stage_root.iterdir():
+            content = set(os.listdir(directory)) - {DISPOSABLE_MARKER}
+            if content and not (directory / DISPOSABLE_MARKER).exists():
+                kept_dirs.append(directory)
+            else:  # disposable: a sweep removes it once we are gone (it holds nothing needed)
+                shutil.rmtree(directory)
+        if (dest / COMMIT_NAME).exists():
+            outcomes["after-commit"] += 1
+            assert_committed(dest, expected)
+            assert kept_dirs == [], "the checkpoint is complete: nothing to keep"
+        elif notes:
+            outcomes["during-commit"] += 1
+            (kept,) = kept_dirs
+            assert str(kept) in notes[0] and "no commit file was written" in notes[0]
+            for relative, data in expected.items():
+                landed, local = dest / relative, kept / dest.name / relative
+                assert (landed.exists() and landed.read_bytes() == data) or local.read_bytes() == data
+            shutil.rmtree(kept)
+        else:
+            outcomes["in-block"] += 1
+            assert kept_dirs == [], "interrupted in the block: nothing may be kept"
+    print(outcomes)
+    assert outcomes["during-commit"] >= 3 and outcomes["in-block"] >= 1, outcomes
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    if not directory.exists():
+        return {}
+    return {
+        str(path.relative_to(directory)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in directory.rglob("*")
+        if path.is_file()
+    }
+
+
+def test_commits_use_at_most_max_pending_threads(kit_mounts: dict[str, Any], stage_root: Path) -> None:
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(sum(t.name.startswith("safestage-commit") for t in threading.enumerate()))
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with safestage.staged_dir(Path(kit_mounts["slow"].path) / f"c-{uuid.uuid4().hex[:8]}", stage_root, max_pending=3) as local:
+            for index in range(8):
+                (local / f"shard-{index}.bin").write_bytes(os.urandom(2 << 20))
+    finally:
+        stop.set()
+        watcher.join()
+    assert max(seen) == 3, max(seen)
+
+
+_CONCURRENT_COMMITTER = """
+import os, sys, time, safestage
+dest, root, tag, go = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+while not os.path.exists(go):
+    time.sleep(0.0005)
+with safestage.staged_dir(dest, root, max_pending=1) as local:
+    for i in range(6):
+        (local / f"shard-{i}.bin").write_bytes(tag.encode() * (1 << 20))
+"""
+
+
+def test_concurrent_commits_to_one_destination_are_caught_by_deep_verify(tmp_path: Path, shm_root: Path) -> None:
+    """Two processes commit different contents of the same sizes to one destination at once.
+    The last commit file wins and the files may be a mix of both writers: sizes cannot tell,
+    digests can. Oracle: deep verify says complete exactly when every file is the commit
+    writer's (known by its pid)."""
+    dest = tmp_path / "checkpoint-1"
+    mixed = 0
+    for round_ in range(8):
+        go = tmp_path / f"go-{round_}"
+        procs = {
+            tag: subprocess.Popen([sys.executable, "-c", _CONCURRENT_COMMITTER, str(dest), str(shm_root), tag, str(go)])
+            for tag in ("A", "B")
+        }
+        time.sleep(0.5)  # both started and waiting
+        go.touch()
+        assert [p.wait(timeout=60) for p in procs.values()] == [0, 0]
+        writer = json.loads((dest / COMMIT_NAME).read_bytes())["writer"]["pid"]
+        tag = next(t for t, p in procs.items() if p.pid == writer)
+        tags = {(dest / f"shard-{i}.bin").read_bytes()[:1].decode() for i in range(6)}
+        mixed += tags != {tag}
+        assert safestage.is_complete(dest)  # sizes always match
+        assert safestage.verify(dest, deep=True).complete == (tags == {tag}), (tag, tags)
+    print(f"{mixed} of 8 concurrent rounds ended with a mix that deep verify caught")
