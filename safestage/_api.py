@@ -139,7 +139,16 @@ class Stage(contextlib.ContextDecorator):
         # As a decorator, each call gets a fresh activation with the same settings.
         return Stage(self.settings)
 
-    def _save(self, serialize: Callable[[str], None], dest: Path) -> None:
+    def _save(
+        self,
+        serialize: Callable[[str], None],
+        dest: Path,
+        *,
+        as_error: Callable[[BaseException], BaseException] = as_safetensors_error,
+    ) -> None:
+        """One save of any writer: ``serialize(path)`` writes the file; ``as_error`` gives
+        safestage's errors the class that writer's callers catch (SafetensorError for
+        safetensors, RuntimeError for torch.save)."""
         area = self._area
         assert area is not None, "a Stage saves only while open"
         if self.settings.when == "auto" and is_local_disk(dest.parent):
@@ -147,18 +156,23 @@ class Stage(contextlib.ContextDecorator):
             return
         item = write_staged(serialize, dest, area)
         if not (self.settings.background and os.getpid() == self._pid):
-            self._publish(item, area)
+            self._publish(item, area, as_error)
             return
         future = _background.publisher().submit(
-            lambda: self._publish(item, area), dest, max_pending=self.settings.max_pending
+            lambda: self._publish(item, area, as_error), dest, max_pending=self.settings.max_pending
         )
         self._futures.append(future)
 
-    def _publish(self, item: StagedFile, area: StagingArea) -> PublishRecord:
+    def _publish(
+        self,
+        item: StagedFile,
+        area: StagingArea,
+        as_error: Callable[[BaseException], BaseException] = as_safetensors_error,
+    ) -> PublishRecord:
         try:
             record = publish_staged(item, self.settings, area)
         except (PublishError, StagingError) as exc:
-            as_safetensors_error(exc)  # callers catch SafetensorError today (issue 9)
+            as_error(exc)  # callers catch SafetensorError today (issue 9)
             raise
         self._record(record)
         return record
@@ -171,7 +185,7 @@ class Stage(contextlib.ContextDecorator):
         return (
             f"<safestage.Stage {self._state} root={str(self.staging_root)!r} "
             f"publish={self.settings.publish!r} fsync={self.settings.fsync} "
-            f"records={len(self.records)}>"
+            f"torch_save={self.settings.torch_save} records={len(self.records)}>"
         )
 
 
@@ -183,6 +197,7 @@ def staged(
     background: Any = UNSET,
     max_pending: Any = UNSET,
     when: Any = UNSET,
+    torch_save: Any = UNSET,
 ) -> Stage:
     """Stage every safetensors save made inside the block (or the decorated function).
 
@@ -191,7 +206,9 @@ def staged(
     flushes each published file to stable storage. ``background=True`` returns from each
     save once it is staged and publishes on worker threads, at most ``max_pending`` files at
     once; the block's end waits for them. ``when="auto"`` writes destinations on local disk
-    directly (no staging) and stages the rest. Arguments beat SAFESTAGE_* variables.
+    directly (no staging) and stages the rest. ``torch_save=True`` also stages
+    ``torch.save(obj, path)`` (file objects pass through); it patches ``torch.save`` while the
+    block runs. Arguments beat SAFESTAGE_* variables.
     Options are checked here (ConfigError); the staging root when the block starts
     (StagingError).
     """
@@ -203,6 +220,7 @@ def staged(
             background=background,
             max_pending=max_pending,
             when=when,
+            torch_save=torch_save,
         )
     )
 
@@ -215,10 +233,17 @@ def activate(
     background: Any = UNSET,
     max_pending: Any = UNSET,
     when: Any = UNSET,
+    torch_save: Any = UNSET,
 ) -> Stage:
     """Like ``staged()``, already entered: call ``.close()`` on the handle to end it."""
     return staged(
-        root, publish=publish, fsync=fsync, background=background, max_pending=max_pending, when=when
+        root,
+        publish=publish,
+        fsync=fsync,
+        background=background,
+        max_pending=max_pending,
+        when=when,
+        torch_save=torch_save,
     )._open()
 
 
