@@ -295,6 +295,33 @@ def staged_file(
     publish_staged(item, settings, area)
 
 
+def save_one(write: Callable[[str], None], dest: PathArg, settings: Settings) -> PublishRecord:
+    """One save outside any activation (for integrations such as safestage.lightning):
+    ``write(local_path)`` writes the file into a fresh private staging directory, which is
+    then published to ``dest`` by the publisher of every staged save. Raises what a staged
+    save raises (StagingError, PublishError with the complete copy kept); a writer's own
+    error removes the staged file and reaches the caller unchanged."""
+    target = _checked_destination(dest)
+    area = StagingArea(settings.staging_root(), is_default=settings.root is None)
+    item = write_staged(write, target, area)
+    return publish_staged(item, settings, area)
+
+
+def save_one_background(
+    write: Callable[[str], None], dest: PathArg, settings: Settings
+) -> Future[PublishRecord]:
+    """save_one() with the publish on the background publisher (pipelined publishing):
+    ``write`` runs now, in the caller; the publish runs on a worker once fewer than
+    ``settings.max_pending`` files are publishing and no earlier publish of ``dest`` is
+    pending. The future's result is the record; its exception the PublishError."""
+    target = _checked_destination(dest)
+    area = StagingArea(settings.staging_root(), is_default=settings.root is None)
+    item = write_staged(write, target, area)
+    return _background.publisher().submit(
+        lambda: publish_staged(item, settings, area), target, max_pending=settings.max_pending
+    )
+
+
 def _checked_destination(dest: PathArg) -> Path:
     """The kernel's path of ``dest`` (see _paths), or the error a plain open would give."""
     text = os.fspath(dest)

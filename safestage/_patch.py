@@ -317,13 +317,7 @@ def _torch_save_wrapper(
             call_args, call_kwargs = (args[0], staged, *args[2:]), kwargs
         else:
             call_args, call_kwargs = args, {**kwargs, "f": staged}
-        try:
-            wrapped(*call_args, **call_kwargs)
-        except RuntimeError as exc:
-            code = _torch_write_errno(exc, staged)
-            if code is None:
-                raise  # not an I/O failure (say, an object that cannot be pickled)
-            raise OSError(code, f"{os.strerror(code)} ({exc})", staged) from exc
+        run_torch_writer(lambda: wrapped(*call_args, **call_kwargs), staged)
 
     try:
         with bypass():  # the original writes into our staging file: never stage that again
@@ -333,6 +327,19 @@ def _torch_save_wrapper(
         raise
     finally:
         stage._end_save()
+
+
+def run_torch_writer(call: Callable[[], Any], staged: str) -> None:
+    """Run a torch.save into the staging file ``staged``. torch's zip writer reports a failed
+    write as a RuntimeError without errno; turn that into the OSError it was, so that
+    write_staged reports a StagingError (full root: ENOSPC) like for a safetensors save."""
+    try:
+        call()
+    except RuntimeError as exc:
+        code = _torch_write_errno(exc, staged)
+        if code is None:
+            raise  # not an I/O failure (say, an object that cannot be pickled)
+        raise OSError(code, f"{os.strerror(code)} ({exc})", staged) from exc
 
 
 # What torch's C++ zip writer says when a write fails; it carries no errno.
