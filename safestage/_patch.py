@@ -179,12 +179,43 @@ def _install(module: Any, target: _Target) -> None:
     # Already ours, or someone wrapped over ours (theirs calls ours): never stack a second.
     if current is None or _wraps_ours(current):
         return
-    import wrapt
-
+    # One wrapper per function: torch.save and torch.serialization.save (and the four
+    # serialize_file globals) are one function, so they stay one object, as unpatched.
+    for wrapper in _ours:
+        if wrapper.__wrapped__ is current:
+            setattr(module, target.attribute, wrapper)
+            return
     handler = _staging_wrapper if target.family == "safetensors" else _torch_save_wrapper
-    wrapper = wrapt.FunctionWrapper(current, handler)
+    wrapper = _wrapper_class()(current, handler)
+    wrapper._self_home = (target.module, target.attribute)
     setattr(module, target.attribute, wrapper)
     _ours.append(wrapper)
+
+
+_WRAPPER_CLASS: Optional[type] = None
+
+
+def _wrapper_class() -> type:
+    """wrapt's FunctionWrapper, made picklable: a wrapper pickles as a reference to the module
+    global it replaced (``torch.save`` handed to a spawned process, a ProcessPoolExecutor),
+    looked up again on unpickling. Plain wrapt proxies refuse to pickle."""
+    global _WRAPPER_CLASS
+    if _WRAPPER_CLASS is None:
+        import wrapt
+
+        class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
+            def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[str, str]]:
+                return (resolve_global, self._self_home)
+
+        _WRAPPER_CLASS = _Wrapper
+    return _WRAPPER_CLASS
+
+
+def resolve_global(module: str, attribute: str) -> Any:
+    """Unpickling a wrapper of ours: whatever the module global is in this process."""
+    import importlib
+
+    return getattr(importlib.import_module(module), attribute)
 
 
 def _restore(module: Any, target: _Target) -> None:
@@ -304,6 +335,12 @@ def _torch_save_wrapper(
         return wrapped(*args, **kwargs)
     target, positional = (args[1], True) if len(args) >= 2 else (kwargs.get("f"), False)
     dest = _destination(target)
+    if dest is not None and os.path.islink(dest):
+        # torch.save opens the path: it writes the file a symlink points to (safetensors 0.8
+        # renames over the link instead). A loop stays a link: torch raises ELOOP itself.
+        dest = _destination(os.path.realpath(dest))
+        if dest is not None and os.path.islink(dest):
+            dest = None
     if dest is None:
         # A buffer, or a path a plain torch.save rejects (missing parent, a directory, a
         # trailing slash): torch raises exactly its own error.

@@ -150,8 +150,10 @@ def test_local_disk_across_devices_gets_0644_and_same_device_renames(tmp_path, s
         torch.save(obj, tmp_path / "a.pt")
     with safestage.staged(stage_root, torch_save=True) as same:
         torch.save(obj, tmp_path / "b.pt")
-    assert [r.strategy for r in across.records + same.records] == ["replace", "rename"]
-    for name in ("a.pt", "b.pt"):
+    with safestage.staged(shm_root, torch_save=True, when="auto") as auto:
+        torch.save(obj, tmp_path / "c.pt")  # local disk: torch.save itself writes it
+    assert [r.strategy for r in across.records + same.records + auto.records] == ["replace", "rename", "unstaged"]
+    for name in ("a.pt", "b.pt", "c.pt"):
         assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o644
         assert_equal(torch.load(tmp_path / name), obj)
 
@@ -223,6 +225,59 @@ def test_a_wrapper_over_ours_is_left_alone(tmp_path, shm_root):
         assert len(calls) == 2
     finally:
         torch.save = ORIGINAL
+
+
+def test_the_wrapper_looks_like_torch_save_and_pickles(tmp_path, shm_root):
+    """One wrapper for both globals (one function, as unpatched), the same signature, and it
+    pickles as a reference (torch.save handed to a spawned process or a ProcessPoolExecutor)."""
+    import inspect
+
+    with safestage.staged(shm_root, torch_save=True):
+        assert torch.save is torch.serialization.save
+        assert inspect.signature(torch.save) == inspect.signature(ORIGINAL)
+        assert torch.save.__doc__ == ORIGINAL.__doc__ and torch.save.__name__ == "save"
+        assert pickle.loads(pickle.dumps(torch.save)) is torch.save
+        import safetensors.torch
+
+        assert pickle.loads(pickle.dumps(safetensors.torch.serialize_file)) is safetensors.torch.serialize_file
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        child = context.Process(target=torch.save, args=({"spawned": 1}, str(tmp_path / "spawned.pt")))
+        child.start()
+        child.join(120)
+    assert child.exitcode == 0
+    assert torch.load(tmp_path / "spawned.pt") == {"spawned": 1}
+
+
+def test_a_symlink_is_followed_like_plain_torch_save(tmp_path, shm_root):
+    """torch.save opens the path, so it writes the file a symlink points to; staged, the same."""
+    for kind in ("plain", "staged"):
+        directory = tmp_path / kind
+        directory.mkdir()
+        ORIGINAL({"old": 1}, directory / "step-100.pt")
+        (directory / "last.pt").symlink_to("step-100.pt")
+        (directory / "dangling.pt").symlink_to("new.pt")
+        (directory / "loop.pt").symlink_to("loop.pt")
+        with safestage.staged(shm_root, torch_save=kind == "staged") as stage:
+            save = torch.save  # looked up inside the block, as callers do
+            save({"new": 2}, directory / "last.pt")
+            save({"new": 3}, directory / "dangling.pt")
+            with pytest.raises(RuntimeError) as loop:
+                save({"new": 4}, directory / "loop.pt")
+        assert (directory / "last.pt").is_symlink() and (directory / "dangling.pt").is_symlink()
+        assert torch.load(directory / "step-100.pt") == {"new": 2}
+        assert torch.load(directory / "new.pt") == {"new": 3}
+        assert "loop.pt" in str(loop.value) or "symbolic links" in str(loop.value)
+        assert [r.destination.name for r in stage.records] == ([] if kind == "plain" else ["step-100.pt", "new.pt"])
+
+
+def test_non_ascii_names_go_through_torch_s_python_stream(tmp_path, shm_root):
+    obj = state()
+    with safestage.staged(shm_root, torch_save=True) as stage:
+        torch.save(obj, tmp_path / "état-ü.pt")
+    assert [r.destination.name for r in stage.records] == ["état-ü.pt"]
+    assert (tmp_path / "état-ü.pt").read_bytes() == plain_bytes(tmp_path, "état-ü.pt", obj)
 
 
 def test_bound_before_activation_is_not_caught(tmp_path, shm_root):
