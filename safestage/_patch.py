@@ -299,7 +299,7 @@ def _staging_wrapper(
         return wrapped(*args, **kwargs)
     filename, positional = _filename_argument(args, kwargs)
     dest = _destination(filename)
-    if dest is None:
+    if dest is None or _inside_private_dir(dest):
         # Not a path we can stage, or a destination a plain save rejects before writing
         # (missing directory, a directory, a trailing slash): let safetensors raise exactly
         # its own error.
@@ -341,7 +341,7 @@ def _torch_save_wrapper(
         dest = _destination(os.path.realpath(dest))
         if dest is not None and os.path.islink(dest):
             dest = None
-    if dest is None:
+    if dest is None or _inside_private_dir(dest):
         # A buffer, or a path a plain torch.save rejects (missing parent, a directory, a
         # trailing slash): torch raises exactly its own error.
         return wrapped(*args, **kwargs)
@@ -393,6 +393,14 @@ def _torch_write_errno(exc: RuntimeError, staged: str) -> Optional[int]:
     except OSError:
         full = False
     return errno.ENOSPC if full else errno.EIO
+
+
+def _inside_private_dir(dest: Path) -> bool:
+    """Whether ``dest`` is in one of safestage's private staging directories: the path
+    ``staged_file`` yields, written inside an open stage, is already staged (no second copy)."""
+    from ._names import parse_stage_dir
+
+    return parse_stage_dir(dest.parent.name) is not None
 
 
 def _destination(filename: Any) -> Optional[Path]:

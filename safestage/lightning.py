@@ -94,16 +94,26 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self.records: list[PublishRecord] = []
         self._init_state()
 
-    def _init_state(self) -> None:
+    def _init_state(self, *, forked: bool = False) -> None:
+        # A forked child has none of the parent's threads: its saves publish before they
+        # return (it may end with os._exit), and it never waits for the parent's publishes.
+        self._pid = os.getpid()
+        self._forked = forked
         self._lock = threading.Condition()
         self._saving: dict[str, int] = {}  # checkpoint paths being saved now, by any thread
         self._deferred: set[str] = set()  # removals asked for while their save was running
         self._publishing: dict[str, Future[PublishRecord]] = {}  # background: latest per path
         self._futures: list[Future[PublishRecord]] = []  # background: every one not waited for
 
+    def _this_process(self) -> None:
+        if self._pid != os.getpid():
+            self._init_state(forked=True)
+            self.records = list(self.records)
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None
     ) -> None:
+        self._this_process()
         self._raise_failed_publish()
         local = _local_path(path)
         if local is None:  # s3://, gs://, ...: the wrapped plugin's business
@@ -131,7 +141,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         with self._lock:
             self._saving[key] = self._saving.get(key, 0) + 1
         try:
-            if self.settings.background:
+            if self.settings.background and not self._forked:
                 future = save_one_background(write, local, self.settings)
                 future.add_done_callback(self._record_future)
                 with self._lock:
@@ -158,6 +168,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         running in another thread (AsyncCheckpointIO's: ModelCheckpoint asks to remove the
         previous top-k file right after submitting the next save) is removed by that thread
         once it is published."""
+        self._this_process()
         local = _local_path(path)
         if local is not None:
             key = os.path.abspath(local)
@@ -172,6 +183,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
     def wait(self) -> None:
         """Wait for this plugin's background publishes; raise the first error."""
+        self._this_process()
         with self._lock:
             futures, self._futures = self._futures, []
             self._publishing = {k: f for k, f in self._publishing.items() if not f.done()}
@@ -200,7 +212,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
     def __getstate__(self) -> dict[str, Any]:  # picklable: Lightning's spawn strategies pickle plugins
         state = self.__dict__.copy()
-        for name in ("_lock", "_saving", "_deferred", "_publishing", "_futures"):
+        for name in ("_pid", "_forked", "_lock", "_saving", "_deferred", "_publishing", "_futures"):
             del state[name]
         return state
 

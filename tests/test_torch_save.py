@@ -437,6 +437,25 @@ def test_torch_save_inside_a_safetensors_save_is_not_staged_twice(tmp_path, shm_
     assert os.listdir(shm_root) == []
 
 
+def test_the_path_staged_file_yields_is_not_staged_again(kit_mounts, shm_root, tensors):
+    """README's recipe, `with staged_file(dest) as local: torch.save(obj, local)`, inside a
+    stage that stages torch.save (or safetensors): written once into the private directory,
+    published once by staged_file."""
+    from safetensors.torch import load_file, save_file
+
+    dest = fresh(kit_mounts["mountpoint"], "sf")
+    with safestage.staged(shm_root, torch_save=True) as stage:
+        with safestage.staged_file(dest / "optimizer.pt", shm_root) as local:
+            torch.save({"step": 1}, local)
+        with safestage.staged_file(dest / "extra.safetensors", shm_root) as local:
+            save_file(tensors, str(local))
+    assert stage.records == []
+    assert torch.load(dest / "optimizer.pt") == {"step": 1}
+    assert load_file(str(dest / "extra.safetensors")).keys() == tensors.keys()
+    assert sorted(os.listdir(dest)) == ["extra.safetensors", "optimizer.pt"]
+    assert os.listdir(shm_root) == []
+
+
 # -- fork, background, settings, environment ---------------------------------------------------
 
 

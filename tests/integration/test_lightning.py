@@ -252,6 +252,31 @@ def test_failing_upload_raises_a_publish_error_from_fit(how, kit_mounts, shm_roo
     assert os.listdir(dest) == []
 
 
+def test_forked_child_publishes_before_it_returns_even_in_background(kit_mounts, shm_root):
+    from safestage.lightning import StagedCheckpointIO
+
+    import signal
+
+    dest = fresh_dir(kit_mounts["slow"], "fork")
+    plugin = StagedCheckpointIO(shm_root, background=True)
+    plugin.save_checkpoint({"parent": torch.zeros(48 << 20, dtype=torch.uint8)}, dest / "parent.ckpt")
+    pid = os.fork()  # while the parent's publish runs (48 MiB at 400 MB/s)
+    if pid == 0:  # the child: nothing of the parent's to wait for, its own save done on return
+        try:
+            signal.alarm(30)  # a wait for the parent's publish would never end here
+            plugin.save_checkpoint({"child": 1}, dest / "child.ckpt")
+            plugin.remove_checkpoint(dest / "parent.ckpt")  # must not wait for the parent's publish
+            os._exit(0 if (dest / "child.ckpt").exists() and len(plugin.records) >= 1 else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    plugin.wait()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert torch.load(dest / "child.ckpt") == {"child": 1}
+    assert [r.destination.name for r in plugin.records] == ["parent.ckpt"]  # the child's are its own
+    assert os.listdir(shm_root) == []
+
+
 def test_pytorch_lightning_trainer_accepts_the_plugin(kit_mounts, shm_root):
     """`pip install lightning` brings pytorch_lightning too, whose Trainer checks plugins
     against lightning_fabric's CheckpointIO (another class): the plugin is registered there."""
