@@ -477,6 +477,30 @@ def test_forked_child_publishes_before_it_exits(kit_mounts, shm_root):
     assert sorted(os.listdir(dest)) == ["child.pt", "parent.pt"]
 
 
+def test_threads_saving_at_once_onto_hdfs(kit_mounts, shm_root):
+    dest = fresh(kit_mounts["hdfs"], "threads")
+    errors: list[BaseException] = []
+
+    def save(index: int) -> None:
+        try:
+            for round_ in range(3):  # the same file again and again: the last replace wins, always whole
+                torch.save({"i": index, "round": round_, "w": torch.full((1000,), index)}, dest / f"t{index}.pt")
+        except BaseException as exc:
+            errors.append(exc)
+
+    with safestage.staged(shm_root, torch_save=True) as stage:
+        threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert errors == [] and len(stage.records) == 12
+    assert sorted(os.listdir(dest)) == [f"t{i}.pt" for i in range(4)]
+    for i in range(4):
+        loaded = torch.load(dest / f"t{i}.pt")
+        assert loaded["round"] == 2 and torch.equal(loaded["w"], torch.full((1000,), i))
+
+
 def test_background_publish_error_is_raised_at_the_end_of_the_block(kit_mounts, shm_root):
     dest = fresh(kit_mounts["close-eio"], "bg")
     with pytest.raises(PublishError) as info, safestage.staged(shm_root, torch_save=True, background=True):
