@@ -172,7 +172,16 @@ class Stage(contextlib.ContextDecorator):
             return coroutine
         return super().__call__(func)
 
-    def _save(self, serialize: Callable[[str], None], dest: Path) -> None:
+    def _save(
+        self,
+        serialize: Callable[[str], None],
+        dest: Path,
+        *,
+        as_error: Callable[[BaseException], BaseException] = as_safetensors_error,
+    ) -> None:
+        """One save of any writer: ``serialize(path)`` writes the file; ``as_error`` gives
+        safestage's errors the class that writer's callers catch (SafetensorError for
+        safetensors, RuntimeError for torch.save)."""
         area = self._area
         assert area is not None, "a Stage saves only while open"
         if self.settings.when == "auto" and is_local_disk(dest.parent):
@@ -181,11 +190,11 @@ class Stage(contextlib.ContextDecorator):
         item = write_staged(serialize, dest, area)
         if not self._publishes_in_background():
             _background.settle(dest)  # an earlier background publish of it lands first
-            self._publish(item, area)
+            self._publish(item, area, as_error)
             return
         try:
             future = _background.publisher().submit(
-                lambda: self._publish(item, area),
+                lambda: self._publish(item, area, as_error),
                 dest,
                 max_pending=self.settings.max_pending,
                 kept=item.path,
@@ -207,11 +216,16 @@ class Stage(contextlib.ContextDecorator):
         multiprocessing = sys.modules.get("multiprocessing")
         return multiprocessing is None or multiprocessing.parent_process() is None
 
-    def _publish(self, item: StagedFile, area: StagingArea) -> PublishRecord:
+    def _publish(
+        self,
+        item: StagedFile,
+        area: StagingArea,
+        as_error: Callable[[BaseException], BaseException] = as_safetensors_error,
+    ) -> PublishRecord:
         try:
             record = publish_staged(item, self.settings, area)
         except (PublishError, StagingError) as exc:
-            as_safetensors_error(exc)  # callers catch SafetensorError today (issue 9)
+            as_error(exc)  # callers catch SafetensorError today (issue 9)
             raise
         self._record(record)
         return record
@@ -224,7 +238,7 @@ class Stage(contextlib.ContextDecorator):
         return (
             f"<safestage.Stage {self._state} root={str(self.staging_root)!r} "
             f"publish={self.settings.publish!r} fsync={self.settings.fsync} "
-            f"records={len(self.records)}>"
+            f"torch_save={self.settings.torch_save} records={len(self.records)}>"
         )
 
 
@@ -236,6 +250,7 @@ def staged(
     background: Any = UNSET,
     max_pending: Any = UNSET,
     when: Any = UNSET,
+    torch_save: Any = UNSET,
 ) -> Stage:
     """Stage every safetensors save made inside the block (or the decorated function).
 
@@ -244,7 +259,9 @@ def staged(
     flushes each published file to stable storage. ``background=True`` returns from each
     save once it is staged and publishes on worker threads, at most ``max_pending`` files at
     once; the block's end waits for them. ``when="auto"`` writes destinations on local disk
-    directly (no staging) and stages the rest. Arguments beat SAFESTAGE_* variables.
+    directly (no staging) and stages the rest. ``torch_save=True`` also stages
+    ``torch.save(obj, path)`` (file objects pass through); it patches ``torch.save`` while the
+    block runs. Arguments beat SAFESTAGE_* variables.
     Options are checked here (ConfigError); the staging root when the block starts
     (StagingError).
     """
@@ -256,6 +273,7 @@ def staged(
             background=background,
             max_pending=max_pending,
             when=when,
+            torch_save=torch_save,
         )
     )
 
@@ -268,10 +286,17 @@ def activate(
     background: Any = UNSET,
     max_pending: Any = UNSET,
     when: Any = UNSET,
+    torch_save: Any = UNSET,
 ) -> Stage:
     """Like ``staged()``, already entered: call ``.close()`` on the handle to end it."""
     return staged(
-        root, publish=publish, fsync=fsync, background=background, max_pending=max_pending, when=when
+        root,
+        publish=publish,
+        fsync=fsync,
+        background=background,
+        max_pending=max_pending,
+        when=when,
+        torch_save=torch_save,
     )._open()
 
 
@@ -347,6 +372,41 @@ def _check_written(item: StagedFile) -> None:
         "whole directory use safestage.staged_dir().",
         str(local),
     )
+
+
+def save_one(write: Callable[[str], None], dest: PathArg, settings: Settings) -> PublishRecord:
+    """One save outside any activation (for integrations such as safestage.lightning):
+    ``write(local_path)`` writes the file into a fresh private staging directory, which is
+    then published to ``dest`` by the publisher of every staged save. Raises what a staged
+    save raises (StagingError, PublishError with the complete copy kept); a writer's own
+    error removes the staged file and reaches the caller unchanged."""
+    target = _checked_destination(dest)
+    area = StagingArea(settings.staging_root(), is_default=settings.root is None)
+    item = write_staged(write, target, area)
+    _background.settle(target)  # an earlier background publish of it lands first
+    return publish_staged(item, settings, area)
+
+
+def save_one_background(
+    write: Callable[[str], None], dest: PathArg, settings: Settings
+) -> Future[PublishRecord]:
+    """save_one() with the publish on the background publisher (pipelined publishing):
+    ``write`` runs now, in the caller; the publish runs on a worker once fewer than
+    ``settings.max_pending`` files are publishing and no earlier publish of ``dest`` is
+    pending. The future's result is the record; its exception the PublishError."""
+    target = _checked_destination(dest)
+    area = StagingArea(settings.staging_root(), is_default=settings.root is None)
+    item = write_staged(write, target, area)
+    try:
+        return _background.publisher().submit(
+            lambda: publish_staged(item, settings, area),
+            target,
+            max_pending=settings.max_pending,
+            kept=item.path,
+        )
+    except BaseException as exc:  # Ctrl-C while waiting for a slot: keep and name the copy
+        keep_unpublished(item, exc)
+        raise
 
 
 def _checked_destination(dest: PathArg) -> Path:

@@ -39,6 +39,7 @@ from ._config import (
     ENV_FSYNC,
     ENV_PUBLISH,
     ENV_SWITCH,
+    ENV_TORCH_SAVE,
     env_value,
     parse_publish,
     parse_root,
@@ -123,13 +124,19 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="run a command with staging switched on through the environment",
         description="Run CMD with SAFESTAGE=1 and the given SAFESTAGE_DIR, SAFESTAGE_PUBLISH, "
-        "SAFESTAGE_FSYNC in its environment; the start-up hook of its Python activates staging.",
+        "SAFESTAGE_FSYNC, SAFESTAGE_TORCH_SAVE in its environment; the start-up hook of its "
+        "Python activates staging.",
     )
     run.add_argument("--dir", metavar="D", type=_root_argument, help="staging root (SAFESTAGE_DIR)")
     run.add_argument("--publish", metavar="P", type=_publish_argument,
                      help="auto, replace or direct (SAFESTAGE_PUBLISH)")  # fmt: skip
     run.add_argument(
         "--no-fsync", action="store_true", help="do not fsync published files (SAFESTAGE_FSYNC=0)"
+    )
+    run.add_argument(
+        "--torch-save",
+        action="store_true",
+        help="also stage torch.save(obj, path) (SAFESTAGE_TORCH_SAVE=1)",
     )
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
     run.set_defaults(handler=_run)
@@ -363,7 +370,11 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         return _usage_error("run", "no command given: safestage run [options] -- CMD ARGS...")
     env = child_environment(
-        os.environ, root=args.dir, publish=args.publish, fsync=not args.no_fsync
+        os.environ,
+        root=args.dir,
+        publish=args.publish,
+        fsync=not args.no_fsync,
+        torch_save=args.torch_save,
     )
     try:
         settings = resolve(environ=env)  # what the child would fail on, said once, before it starts
@@ -383,7 +394,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def child_environment(
-    environ: Mapping[str, str], *, root: Optional[Path], publish: Optional[str], fsync: bool
+    environ: Mapping[str, str],
+    *,
+    root: Optional[Path],
+    publish: Optional[str],
+    fsync: bool,
+    torch_save: bool = False,
 ) -> dict[str, str]:
     """The parent's environment with staging switched on. SAFESTAGE=1 also with --dir: an
     inherited SAFESTAGE=0 would otherwise switch the requested staging off."""
@@ -395,6 +411,8 @@ def child_environment(
         env[ENV_PUBLISH] = publish
     if not fsync:
         env[ENV_FSYNC] = "0"
+    if torch_save:
+        env[ENV_TORCH_SAVE] = "1"
     return env
 
 
@@ -556,7 +574,8 @@ def _settings_text(settings: Optional[Mapping[str, Any]]) -> str:
         return "-"
     return (
         f"root {settings['root']} ({settings['root_source']}), publish {settings['publish']}, "
-        f"fsync {'on' if settings['fsync'] else 'off'}"
+        f"fsync {'on' if settings['fsync'] else 'off'}, "
+        f"torch.save {'staged' if settings['torch_save'] else 'not staged'}"
     )
 
 
@@ -571,6 +590,8 @@ def _activation_text(report: Mapping[str, Any]) -> str:
         )
     if not report["hook"]["installed"]:
         return "yes, but the start-up hook is not installed: only code calling safestage.staged() stages"
+    if report["settings"]["torch_save"]:
+        return "yes: every safetensors save and torch.save to a path in a new Python process is staged"
     return "yes: every safetensors save in a new Python process is staged"
 
 

@@ -27,6 +27,7 @@ ENV_LOG_LEVEL = "SAFESTAGE_LOG_LEVEL"
 ENV_BACKGROUND = "SAFESTAGE_BACKGROUND"
 ENV_MAX_PENDING = "SAFESTAGE_MAX_PENDING"
 ENV_WHEN = "SAFESTAGE_WHEN"
+ENV_TORCH_SAVE = "SAFESTAGE_TORCH_SAVE"
 
 WHEN_CHOICES = ("always", "auto")
 
@@ -52,6 +53,8 @@ class Settings:
     background: bool = False  # publish on worker threads while the caller goes on
     max_pending: int = 2  # background: files publishing at once; the caller waits beyond it
     when: str = "always"  # "auto": local-disk destinations use the original writer unstaged
+    # Also stage torch.save(obj, path): a patch of a torch module global, so opt-in (README).
+    torch_save: bool = False
 
     def staging_root(self) -> Path:
         return self.root if self.root is not None else default_root()
@@ -141,6 +144,7 @@ def resolve(
     background: Any = UNSET,
     max_pending: Any = UNSET,
     when: Any = UNSET,
+    torch_save: Any = UNSET,
     environ: Optional[Mapping[str, str]] = None,
 ) -> Settings:
     """Merge explicit arguments over the environment over the defaults.
@@ -176,6 +180,7 @@ def resolve(
             if when is not UNSET
             else parse_when(env_value(env, ENV_WHEN) or "always", ENV_WHEN)
         ),
+        torch_save=_flag(torch_save, "torch_save", env, ENV_TORCH_SAVE, default=False),
     )
 
 

@@ -88,3 +88,15 @@ def as_safetensors_error(exc: BaseException) -> BaseException:
         return exc
     exc.__class__ = BY_BASE[type(exc)]
     return exc
+
+
+def as_torch_error(exc: BaseException) -> BaseException:
+    """Make ``exc``, raised inside a staged ``torch.save``, also a ``RuntimeError`` (what
+    torch.save's own writer raises when a write fails), in place. Anything else is returned
+    as is."""
+    if type(exc) not in (PublishError, StagingError):
+        return exc
+    from ._torch_errors import BY_BASE
+
+    exc.__class__ = BY_BASE[type(exc)]
+    return exc

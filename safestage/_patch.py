@@ -1,10 +1,17 @@
-"""The serialize_file wrapper and the process-wide activation stack.
+"""The serialize_file and torch.save wrappers and the process-wide activation stack.
 
 The hook point is the module global ``serialize_file`` of safetensors, safetensors.torch,
 safetensors.numpy and safetensors.paddle: their ``save_file`` looks it up at call time, so
 wrapping the global also catches every library that bound ``save_file`` at import time
 (``from safetensors.torch import save_file`` in megatron-bridge, transformers, accelerate,
 peft).
+
+With ``torch_save=True`` the module globals ``torch.save`` and ``torch.serialization.save``
+are wrapped too, while some open stage asks for it (and only then: a torch global is a wider
+patch than safetensors'). That catches every caller that looks ``torch.save`` up at call time
+(``torch.save(...)`` in accelerate, transformers' Trainer, Lightning); code that did ``from
+torch import save`` before activation holds the original. Paths are staged like a
+safetensors save (same Stage._save, same publisher); file objects and buffers pass through.
 
 wrapt has no unpatch, so we restore by hand, and only where the global is still our wrapper:
 if someone wrapped on top of ours we leave theirs alone, and our wrapper inside it turns into
@@ -16,15 +23,17 @@ once per process and does nothing while inactive.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ._errors import PublishError, StagingError, as_safetensors_error
+from ._errors import PublishError, StagingError, as_safetensors_error, as_torch_error
 from ._paths import resolve_destination
 
 if TYPE_CHECKING:
@@ -34,14 +43,29 @@ log = logging.getLogger("safestage")
 
 TARGET_MODULES = ("safetensors", "safetensors.torch", "safetensors.numpy", "safetensors.paddle")
 ATTRIBUTE = "serialize_file"
+# torch/__init__.py binds ``save`` from torch.serialization: both globals are the same function.
+TORCH_MODULES = ("torch.serialization", "torch")
+TORCH_ATTRIBUTE = "save"
+
+
+@dataclass(frozen=True)
+class _Target:
+    module: str
+    attribute: str
+    family: str  # "safetensors": while any stage is open; "torch": while one has torch_save
+
+
+TARGETS = tuple(_Target(name, ATTRIBUTE, "safetensors") for name in TARGET_MODULES) + tuple(
+    _Target(name, TORCH_ATTRIBUTE, "torch") for name in TORCH_MODULES
+)
 
 _lock = threading.RLock()
 _active: list[Stage] = []
 _ours: list[Any] = []  # our FunctionWrapper objects currently installed (compared by identity)
 _hooks_registered = False
 _in_save = threading.local()
-# Local directories that are staging already (safestage.staged_dir yields one): a save into
-# them, from any thread, goes straight to the original writer instead of being staged twice.
+# Local directories that are staging already (staged_file and staged_dir yield one): a save
+# into them, from any thread, goes straight to the original writer instead of being staged twice.
 _unstaged_dirs: list[Path] = []
 
 
@@ -58,13 +82,15 @@ def current_stage() -> Optional[Stage]:
         return _active[-1]
 
 
-def begin_save() -> Optional[Stage]:
+def begin_save(*, torch_save: bool = False) -> Optional[Stage]:
     """current_stage(), with the save counted in it under the same lock: a stage whose
-    close() has begun is never picked, and one that was picked waits for the save."""
+    close() has begun is never picked, and one that was picked waits for the save. For a
+    torch.save, None unless that stage has torch_save: the stage that takes a save decides."""
     with _lock:
         stage = current_stage()
-        if stage is not None:
-            stage._begin_save()
+        if stage is None or (torch_save and not stage.settings.torch_save):
+            return None
+        stage._begin_save()
         return stage
 
 
@@ -91,9 +117,7 @@ def is_active() -> bool:
 def push(stage: Stage) -> None:
     with _lock:
         _active.append(stage)
-        if len(_active) == 1:
-            _register_hooks()
-            _install_all()
+        _sync()
 
 
 def remove(stage: Stage) -> None:
@@ -103,8 +127,31 @@ def remove(stage: Stage) -> None:
             if _active[index] is stage:
                 del _active[index]
                 break
-        if not _active:
-            _restore_all()
+        _sync()
+
+
+def _wanted_families() -> set[str]:
+    families = {"safetensors"} if _active else set()
+    if any(stage.settings.torch_save for stage in _active):
+        families.add("torch")
+    return families
+
+
+def _sync() -> None:
+    """Make the installed wrappers match the open stages (under _lock): serialize_file while
+    any stage is open, torch.save while one of them has torch_save."""
+    families = _wanted_families()
+    if families:
+        _register_hooks()
+    for target in TARGETS:
+        module = sys.modules.get(target.module)
+        if module is None:
+            continue
+        if target.family in families:
+            _install(module, target)
+        else:
+            _restore(module, target)
+    _ours[:] = [w for w in _ours if _still_referenced(w)]
 
 
 def installed_modules() -> list[str]:
@@ -117,39 +164,72 @@ def installed_modules() -> list[str]:
         ]
 
 
+def installed_targets() -> list[str]:
+    """``module.attribute`` of every loaded hook point that is (or wraps) our wrapper."""
+    with _lock:
+        return [
+            f"{target.module}.{target.attribute}"
+            for target in TARGETS
+            if _wraps_ours(getattr(sys.modules.get(target.module), target.attribute, None))
+        ]
+
+
 def _is_ours(candidate: object) -> bool:
     return any(candidate is wrapper for wrapper in _ours)
 
 
-def _install(module: Any) -> None:
-    current = getattr(module, ATTRIBUTE, None)
-    if current is None or _is_ours(current):
+def _install(module: Any, target: _Target) -> None:
+    current = getattr(module, target.attribute, None)
+    # Already ours, or someone wrapped over ours (theirs calls ours): never stack a second.
+    if current is None or _wraps_ours(current):
         return
-    import wrapt
-
-    wrapper = wrapt.FunctionWrapper(current, _staging_wrapper)
-    setattr(module, ATTRIBUTE, wrapper)
+    # One wrapper per function: torch.save and torch.serialization.save (and the four
+    # serialize_file globals) are one function, so they stay one object, as unpatched.
+    for wrapper in _ours:
+        if wrapper.__wrapped__ is current:
+            setattr(module, target.attribute, wrapper)
+            return
+    handler = _staging_wrapper if target.family == "safetensors" else _torch_save_wrapper
+    wrapper = _wrapper_class()(current, handler)
+    wrapper._self_home = (target.module, target.attribute)
+    setattr(module, target.attribute, wrapper)
     _ours.append(wrapper)
 
 
-def _install_all() -> None:
-    for name in TARGET_MODULES:
-        module = sys.modules.get(name)
-        if module is not None:
-            _install(module)
+_WRAPPER_CLASS: Optional[type] = None
 
 
-def _restore_all() -> None:
-    for name in TARGET_MODULES:
-        module = sys.modules.get(name)
-        current = getattr(module, ATTRIBUTE, None) if module is not None else None
-        if current is not None and _is_ours(current):
-            # A module imported while we were active may have bound our wrapper from
-            # ``safetensors``: unwrap to whatever it wrapped.
-            setattr(module, ATTRIBUTE, current.__wrapped__)
-        elif current is not None and _wraps_ours(current):
-            log.debug("%s.%s was wrapped over ours; leaving it", name, ATTRIBUTE)
-    _ours[:] = [w for w in _ours if _still_referenced(w)]
+def _wrapper_class() -> type:
+    """wrapt's FunctionWrapper, made picklable: a wrapper pickles as a reference to the module
+    global it replaced (``torch.save`` handed to a spawned process, a ProcessPoolExecutor),
+    looked up again on unpickling. Plain wrapt proxies refuse to pickle."""
+    global _WRAPPER_CLASS
+    if _WRAPPER_CLASS is None:
+        import wrapt
+
+        class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
+            def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[str, str]]:
+                return (resolve_global, self._self_home)
+
+        _WRAPPER_CLASS = _Wrapper
+    return _WRAPPER_CLASS
+
+
+def resolve_global(module: str, attribute: str) -> Any:
+    """Unpickling a wrapper of ours: whatever the module global is in this process."""
+    import importlib
+
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _restore(module: Any, target: _Target) -> None:
+    current = getattr(module, target.attribute, None)
+    if current is not None and _is_ours(current):
+        # A module imported while we were active may have bound our wrapper from another
+        # target module (``torch`` binds torch.serialization.save): unwrap to what it wrapped.
+        setattr(module, target.attribute, current.__wrapped__)
+    elif current is not None and _wraps_ours(current):
+        log.debug("%s.%s was wrapped over ours; leaving it", target.module, target.attribute)
 
 
 def _wrapper_chain(candidate: object) -> list[object]:
@@ -169,8 +249,8 @@ def _still_referenced(wrapper: Any) -> bool:
     # Keep wrappers someone else still holds inside theirs, so _is_ours stays right for them.
     return any(
         link is wrapper
-        for name in TARGET_MODULES
-        for link in _wrapper_chain(getattr(sys.modules.get(name), ATTRIBUTE, None))
+        for target in TARGETS
+        for link in _wrapper_chain(getattr(sys.modules.get(target.module), target.attribute, None))
     )
 
 
@@ -178,8 +258,10 @@ def _on_import(module: Any) -> None:
     # A hook that raises breaks the user's import (wrapt): never let one escape.
     try:
         with _lock:
-            if _active:
-                _install(module)
+            families = _wanted_families()
+            for target in TARGETS:
+                if target.module == module.__name__ and target.family in families:
+                    _install(module, target)
     except Exception:  # pragma: no cover - defensive
         log.warning("could not patch %s", getattr(module, "__name__", module), exc_info=True)
 
@@ -193,6 +275,9 @@ def _register_hooks() -> None:
     _hooks_registered = True
 
 
+_HOOKED_MODULES = frozenset(target.module for target in TARGETS)
+
+
 class _PostImportFinder:
     """A post-import hook of our own, not wrapt's: importing wrapt costs ~0.16 s (it pulls in
     asyncio and importlib.metadata), which every process of a job with SAFESTAGE_DIR set
@@ -200,7 +285,7 @@ class _PostImportFinder:
     finders and runs ``_on_import`` right after the module body has executed."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in TARGET_MODULES:
+        if fullname not in _HOOKED_MODULES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -296,6 +381,76 @@ def _staging_wrapper(
         raise
     finally:
         stage._end_save()
+
+
+def _torch_save_wrapper(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """torch.save(obj, f, ...): a str or PathLike ``f`` is staged and published like a
+    safetensors save; file objects and buffers (Lightning's BytesIO, DCP's streams) pass
+    through untouched, and so does every other argument."""
+    if getattr(_in_save, "active", False) or not _active:
+        return wrapped(*args, **kwargs)
+    target, positional = (args[1], True) if len(args) >= 2 else (kwargs.get("f"), False)
+    dest = _destination(target)
+    if dest is not None and os.path.islink(dest):
+        # torch.save opens the path: it writes the file a symlink points to (safetensors 0.8
+        # renames over the link instead). A loop stays a link: torch raises ELOOP itself.
+        dest = _destination(os.path.realpath(dest))
+        if dest is not None and os.path.islink(dest):
+            dest = None
+    if dest is None or _in_unstaged_dir(dest):
+        # A buffer, or a path a plain torch.save rejects (missing parent, a directory, a
+        # trailing slash): torch raises exactly its own error.
+        return wrapped(*args, **kwargs)
+    stage = begin_save(torch_save=True)
+    if stage is None:
+        return wrapped(*args, **kwargs)
+
+    def serialize(staged: str) -> None:
+        if positional:
+            call_args, call_kwargs = (args[0], staged, *args[2:]), kwargs
+        else:
+            call_args, call_kwargs = args, {**kwargs, "f": staged}
+        run_torch_writer(lambda: wrapped(*call_args, **call_kwargs), staged)
+
+    try:
+        with bypass():  # the original writes into our staging file: never stage that again
+            return stage._save(serialize, dest, as_error=as_torch_error)
+    except (PublishError, StagingError) as exc:
+        as_torch_error(exc)  # still caught by `except RuntimeError`, like torch.save's own
+        raise
+    finally:
+        stage._end_save()
+
+
+def run_torch_writer(call: Callable[[], Any], staged: str) -> None:
+    """Run a torch.save into the staging file ``staged``. torch's zip writer reports a failed
+    write as a RuntimeError without errno; turn that into the OSError it was, so that
+    write_staged reports a StagingError (full root: ENOSPC) like for a safetensors save."""
+    try:
+        call()
+    except RuntimeError as exc:
+        code = _torch_write_errno(exc, staged)
+        if code is None:
+            raise  # not an I/O failure (say, an object that cannot be pickled)
+        raise OSError(code, f"{os.strerror(code)} ({exc})", staged) from exc
+
+
+# What torch's C++ zip writer says when a write fails; it carries no errno.
+_TORCH_WRITE_FAILURES = ("file write failed", "iostream error", "unexpected pos")
+
+
+def _torch_write_errno(exc: RuntimeError, staged: str) -> Optional[int]:
+    """The errno behind a failed torch.save into the staging root, so that it becomes a
+    StagingError like a safetensors save's: ENOSPC when the root is full, else EIO."""
+    if not any(marker in str(exc) for marker in _TORCH_WRITE_FAILURES):
+        return None
+    try:
+        full = os.statvfs(os.path.dirname(staged)).f_bavail == 0
+    except OSError:
+        full = False
+    return errno.ENOSPC if full else errno.EIO
 
 
 def _destination(filename: Any) -> Optional[Path]:

@@ -90,7 +90,7 @@ def safestage_stage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stage]
     with staged(root) as stage:
         yield stage
     if not _patch.is_active():
-        leftover = _patch.installed_modules()
+        leftover = _patch.installed_targets()
         assert not leftover, f"safestage left its wrapper on {leftover} after the test"
 
 

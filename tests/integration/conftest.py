@@ -12,7 +12,7 @@ import pytest
 
 CLIENT_DISTRIBUTIONS = (
     "transformers", "huggingface_hub", "accelerate", "peft", "diffusers",
-    "sentence-transformers", "megatron-bridge", "safetensors", "torch",
+    "sentence-transformers", "megatron-bridge", "lightning", "fsspec", "safetensors", "torch",
 )
 
 

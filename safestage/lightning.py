@@ -1,0 +1,260 @@
+"""Lightning: a ``CheckpointIO`` plugin that stages every checkpoint and publishes it.
+
+    import lightning as L
+    from safestage.lightning import StagedCheckpointIO
+
+    trainer = L.Trainer(plugins=[StagedCheckpointIO("/local/nvme/scratch")])
+    fabric = L.Fabric(plugins=[StagedCheckpointIO("/local/nvme/scratch")])
+    trainer = L.Trainer(plugins=[AsyncCheckpointIO(StagedCheckpointIO("/local/nvme/scratch"))])
+
+Why a plugin: Lightning's own ``TorchCheckpointIO`` saves through ``_atomic_save``
+(lightning/fabric/utilities/cloud_io.py), which ``torch.save``s into a BytesIO and writes it
+through an fsspec transaction: a temp file from ``tempfile.mkstemp()`` under $TMPDIR, then
+``shutil.move`` to the checkpoint. Across devices that move is a copy plus copystat: onto a
+mount that refuses chmod (mountpoint-s3) copystat raises and the full-size temp is never
+removed (Lightning#21253); with fsspec < 2025.5 Lightning turns that into "Upgrade fsspec to
+enable cross-device local checkpoints"; on local disk the copied 0600 mode of the temp sticks.
+This plugin serializes each checkpoint into a private staging directory under the staging
+root instead (never $TMPDIR, unless that is the root) and publishes it with safestage's one
+publisher (rename / replace / direct, checked close, kept copy on failure).
+
+What it holds is glue only: which paths are staged (local ones; ``s3://`` and other fsspec
+URLs go to the wrapped plugin untouched), the parent directory Lightning expects to be made,
+and delegation of loading and removing. The staging and publishing are the core's
+(``safestage._api.save_one``). Lightning is imported when this module is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Optional
+
+from . import _background, _config, _patch
+from ._api import save_one, save_one_background
+from ._config import UNSET, PathArg
+from ._stage import PublishRecord, check_root
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+try:  # the unified package first: ``import lightning as L``
+    from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+
+    _OTHER_BASE = "lightning_fabric.plugins.io.checkpoint_io"
+except ImportError:  # only the standalone packages (pytorch-lightning / lightning-fabric)
+    from lightning_fabric.plugins import CheckpointIO, TorchCheckpointIO
+
+    _OTHER_BASE = ""
+
+__all__ = ["StagedCheckpointIO"]
+
+
+class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
+    """Save each checkpoint into a private local staging directory, then publish it.
+
+    ``root``, ``publish``, ``fsync``, ``background`` and ``max_pending`` mean what they mean
+    for ``safestage.staged()`` (argument > SAFESTAGE_* variable > default); the root is checked
+    here (StagingError). ``checkpoint_io`` (default: Lightning's ``TorchCheckpointIO``) loads
+    and removes checkpoints, and saves those that are not local paths. With the default, a
+    checkpoint is ``torch.save``d into the staging file exactly as ``TorchCheckpointIO``
+    serializes it (same bytes); another ``checkpoint_io`` is asked to save into the staging
+    file itself.
+
+    ``background=True``: ``save_checkpoint`` returns once the checkpoint is complete in the
+    staging root and publishes it on safestage's worker threads (at most ``max_pending`` at
+    once). Removing a checkpoint waits for its publish, so ModelCheckpoint's top-k removal
+    stays in order. A failed publish is raised by the next ``save_checkpoint``, by
+    ``wait()`` or by ``teardown()`` (the Trainer calls it when fit ends; with Fabric call
+    ``wait()``).
+
+    ``records`` lists every published checkpoint (``safestage.PublishRecord``). A failed
+    publish raises ``safestage.PublishError`` (an OSError) naming the checkpoint and keeping
+    the complete staged copy. Under ``AsyncCheckpointIO`` Lightning raises it at the next save
+    or at teardown.
+    """
+
+    def __init__(
+        self,
+        root: Optional[PathArg] = None,
+        *,
+        publish: Any = UNSET,
+        fsync: Any = UNSET,
+        background: Any = UNSET,
+        max_pending: Any = UNSET,
+        checkpoint_io: Optional[CheckpointIO] = None,
+    ) -> None:
+        super().__init__()
+        self.settings = _config.resolve(
+            root=root, publish=publish, fsync=fsync, background=background, max_pending=max_pending
+        )
+        check_root(self.settings.staging_root(), is_default=self.settings.root is None)
+        self.checkpoint_io: CheckpointIO = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
+        self.records: list[PublishRecord] = []
+        self._init_state()
+
+    def _init_state(self, *, forked: bool = False) -> None:
+        # A forked child has none of the parent's threads: its saves publish before they
+        # return (it may end with os._exit), and it never waits for the parent's publishes.
+        self._pid = os.getpid()
+        self._forked = forked
+        self._lock = threading.Condition()
+        self._saving: dict[str, int] = {}  # checkpoint paths being saved now, by any thread
+        self._deferred: set[str] = set()  # removals asked for while their save was running
+        self._publishing: dict[str, Future[PublishRecord]] = {}  # background: latest per path
+        self._futures: list[Future[PublishRecord]] = []  # background: every one not waited for
+
+    def _this_process(self) -> None:
+        if self._pid != os.getpid():
+            self._init_state(forked=True)
+            self.records = list(self.records)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        self._this_process()
+        self._raise_failed_publish()
+        local = _local_path(path)
+        if local is None:  # s3://, gs://, ...: the wrapped plugin's business
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        default = type(self.checkpoint_io) is TorchCheckpointIO
+        if default and storage_options is not None:
+            raise TypeError(  # what TorchCheckpointIO says
+                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+                f" is not supported for `{type(self).__name__}` with the default TorchCheckpointIO."
+                " Pass a custom `checkpoint_io` that handles `storage_options`."
+            )
+        # TorchCheckpointIO makes the checkpoint's directory (ModelCheckpoint relies on it).
+        os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+
+        def write(staged: str) -> None:
+            with _patch.bypass():  # torch_save staging must not stage our staging file again
+                if default:
+                    with open(staged, "wb") as stream:  # a stream, as _atomic_save's BytesIO
+                        _patch.run_torch_writer(lambda: _torch_save(checkpoint, stream), staged)
+                else:
+                    self.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options=storage_options)
+
+        key = os.path.abspath(local)
+        with self._lock:
+            self._saving[key] = self._saving.get(key, 0) + 1
+        try:
+            if self.settings.background and not self._forked:
+                future = save_one_background(write, local, self.settings)
+                future.add_done_callback(self._record_future)
+                with self._lock:
+                    self._publishing[key] = future
+                    self._futures.append(future)
+            else:
+                self._record(save_one(write, local, self.settings))
+        finally:
+            with self._lock:
+                self._saving[key] -= 1
+                remove = not self._saving[key] and key in self._deferred
+                if not self._saving[key]:
+                    del self._saving[key]
+                    self._deferred.discard(key)
+            if remove:
+                self.remove_checkpoint(path)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        result: dict[str, Any] = self.checkpoint_io.load_checkpoint(*args, **kwargs)
+        return result
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove a checkpoint, after its pending background publish. One whose save is still
+        running in another thread (AsyncCheckpointIO's: ModelCheckpoint asks to remove the
+        previous top-k file right after submitting the next save) is removed by that thread
+        once it is published."""
+        self._this_process()
+        local = _local_path(path)
+        if local is not None:
+            key = os.path.abspath(local)
+            with self._lock:
+                if self._saving.get(key):
+                    self._deferred.add(key)
+                    return
+                future = self._publishing.get(key)
+            if future is not None:
+                future.exception()  # waits; a failure is raised by wait() / the next save
+        self.checkpoint_io.remove_checkpoint(path)
+
+    def wait(self) -> None:
+        """Wait for this plugin's background publishes; raise the first error."""
+        self._this_process()
+        with self._lock:
+            futures, self._futures = self._futures, []
+            self._publishing = {k: f for k, f in self._publishing.items() if not f.done()}
+        if futures:
+            _background.publisher().wait(futures)  # type: ignore[arg-type]
+
+    def teardown(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.checkpoint_io.teardown()
+
+    def _raise_failed_publish(self) -> None:
+        with self._lock:
+            failed = [f for f in self._futures if f.done() and f.exception() is not None]
+        if failed:
+            self.wait()
+
+    def _record(self, record: PublishRecord) -> None:
+        with self._lock:
+            self.records.append(record)
+
+    def _record_future(self, future: Future[PublishRecord]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._record(future.result())
+
+    def __getstate__(self) -> dict[str, Any]:  # picklable: Lightning's spawn strategies pickle plugins
+        state = self.__dict__.copy()
+        for name in ("_pid", "_forked", "_lock", "_saving", "_deferred", "_publishing", "_futures"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_state()
+
+    def __repr__(self) -> str:
+        return (
+            f"StagedCheckpointIO(root={str(self.settings.staging_root())!r}, "
+            f"publish={self.settings.publish!r}, fsync={self.settings.fsync}, "
+            f"background={self.settings.background}, "
+            f"checkpoint_io={type(self.checkpoint_io).__name__}, records={len(self.records)})"
+        )
+
+
+def _torch_save(checkpoint: dict[str, Any], stream: Any) -> None:
+    import torch
+
+    torch.save(checkpoint, stream)
+
+
+def _local_path(path: Any) -> Optional[str]:
+    """The local filesystem path of a checkpoint path or ``file://`` URL, else None."""
+    from fsspec.utils import get_protocol
+
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)
+    if get_protocol(text) != "file":
+        return None
+    return text[len("file://"):] if text.startswith("file://") else text
+
+
+def _register_with_other_base(module: Any) -> None:
+    # `pip install lightning` also installs pytorch-lightning: a `pytorch_lightning.Trainer`
+    # checks plugins against lightning_fabric's CheckpointIO, a different class than
+    # lightning.fabric's. Registered when (and if) that module is imported.
+    with contextlib.suppress(Exception):  # a hook that raises breaks the user's import (wrapt)
+        module.CheckpointIO.register(StagedCheckpointIO)
+
+
+if _OTHER_BASE:
+    import wrapt
+
+    wrapt.register_post_import_hook(_register_with_other_base, _OTHER_BASE)
+
