@@ -1,4 +1,4 @@
-"""The recipes of docs/checkpoints.md, each run for real: whole checkpoint directories from a
+"""The recipes of README.md (whole checkpoints), each run for real: whole checkpoint directories from a
 Trainer-style save, the transformers Trainer, accelerate's save_state and
 torch.distributed.checkpoint, committed with staged_dir onto the kit's hdfs and mountpoint
 mounts, then resumed from latest_complete. The code inside each test is the recipe's code,
