@@ -22,7 +22,7 @@ Then, from what is on disk only:
 
 Trials come from SAFESTAGE_CKPT_CRASH_TRIALS (default 240, about 3 minutes on 2 cores),
 shared by weight by the four destinations: disk (staging root on the same filesystem:
-rename), kit hdfs (replace), kit mountpoint (direct) and the real s3fs mount (replace, moto
+rename), kit hdfs (replace), kit mountpoint (direct) and the real s3fs and rclone-s3 mounts (replace, moto
 S3; a commit there takes ~2 s, so it gets a smaller share).
 """
 
@@ -58,8 +58,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_crash_child import generation
 
 CHILD = Path(__file__).with_name("ckpt_crash_child.py")
-# Trials are shared by weight: a commit onto s3fs (moto) takes ~2 s, elsewhere ~0.2 s.
-WEIGHTS = {"disk-rename": 3, "hdfs-replace": 3, "mountpoint-direct": 3, "s3fs-replace": 1}
+# Trials are shared by weight: a commit onto s3fs or rclone (moto) takes ~2 s, elsewhere ~0.2 s.
+WEIGHTS = {
+    "disk-rename": 3,
+    "hdfs-replace": 3,
+    "mountpoint-direct": 3,
+    "s3fs-replace": 1,
+    "rclone-s3-replace": 1,
+}
 DESTINATIONS = tuple(WEIGHTS)
 DEFAULT_TRIALS = 240  # about 3 minutes on 2 shared cores
 MIN_TRIALS = 12  # per destination: enough to see every outcome
@@ -187,8 +193,8 @@ def make_destination(kind: str, tmp_path: Path, kit_mounts: dict[str, Any], real
         parent = tmp_path / name
         parent.mkdir()
         return Destination(kind, parent, parent, root, "auto", "rename")
-    if kind == "s3fs-replace":
-        parent = Path(real_mounts["s3fs"].path) / name
+    if kind in ("s3fs-replace", "rclone-s3-replace"):
+        parent = Path(real_mounts[kind.removesuffix("-replace")].path) / name
         parent.mkdir()
         return Destination(kind, parent, None, root, "auto", "replace")
     mount = kit_mounts[kind.split("-")[0]]
