@@ -21,7 +21,7 @@ Then, from what is on disk only:
   because it is marked disposable; the destination holds no temp file after a clean.
 
 Trials come from SAFESTAGE_CKPT_CRASH_TRIALS (default 240, about 3 minutes on 2 cores),
-shared by weight by the four destinations: disk (staging root on the same filesystem:
+shared by weight by the five destinations: disk (staging root on the same filesystem:
 rename), kit hdfs (replace), kit mountpoint (direct) and the real s3fs and rclone-s3 mounts (replace, moto
 S3; a commit there takes ~2 s, so it gets a smaller share).
 """
