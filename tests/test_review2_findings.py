@@ -227,3 +227,60 @@ def test_torch_save_to_a_character_device_does_not_replace_it(tmp_path: Path, sh
     info = os.lstat(null)
     assert stat.S_ISCHR(info.st_mode), "the device node was replaced by a regular file"
     assert info.st_rdev == os.makedev(1, 3)
+
+
+# -- 6b. the same root cause with staged_file ---------------------------------------------------
+
+
+def test_lightning_background_save_into_a_staged_file_path_is_published(
+    tmp_path: Path, stage_root: Path, shm_dir: Path
+) -> None:
+    """docs/writers.md: "any save (torch or safetensors) into the path staged_file yields ...
+    is already staged". StagedCheckpointIO(background=True) stages it again and publishes
+    into that path later: staged_file finds nothing written (StagingError ENOENT), and the
+    checkpoint never reaches its destination."""
+    from safestage.lightning import StagedCheckpointIO
+
+    plugin = StagedCheckpointIO(stage_root, background=True)
+    dest = tmp_path / "last.ckpt"
+    state = {"v": torch.arange(4_000_000, dtype=torch.float32)}
+    with safestage.staged_file(dest, shm_dir) as local:
+        plugin.save_checkpoint(state, str(local))
+    plugin.wait()
+    assert torch.equal(torch.load(dest)["v"], state["v"])
+
+
+# -- 8. `safestage clean` deletes the kept copy of a checkpoint named like a writer temp -------
+
+
+def test_clean_keeps_an_unpublished_checkpoint_named_like_a_writer_temp(
+    kit_mounts: dict[str, Any], stage_root: Path
+) -> None:
+    """_local_name guards "", the disposable marker and the staged commit name, but not
+    safetensors' temp pattern (.tmpXXXXXX), which staged_name guards for single files. A
+    checkpoint directory called `.tmpAbC123` whose publish failed is kept in the staging root
+    (the only copy of its files); once its process is gone, `safestage clean` reads the
+    private directory as "only a torn writer temp" and deletes it."""
+    dest = Path(kit_mounts["close-eio"].path) / f"c-{uuid.uuid4().hex[:8]}"
+    dest.mkdir()
+    code = (
+        "import sys, safestage\n"
+        "from pathlib import Path\n"
+        "try:\n"
+        "    with safestage.staged_dir(sys.argv[1], sys.argv[2]) as local:\n"
+        "        (local / 'model.bin').write_bytes(b'only copy' * 1000)\n"
+        "except safestage.PublishError as exc:\n"
+        "    print(exc.staged_path)\n"
+    )
+    child = subprocess.run(
+        [PY, "-c", code, str(dest / ".tmpAbC123"), str(stage_root)],
+        env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr
+    kept = Path(child.stdout.strip())
+    assert (kept / "model.bin").read_bytes() == b"only copy" * 1000
+    clean = subprocess.run(
+        [PY, "-m", "safestage", "clean", str(stage_root)], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert clean.returncode == 0, clean.stderr
+    assert (kept / "model.bin").read_bytes() == b"only copy" * 1000, clean.stdout
