@@ -381,6 +381,10 @@ def save_one(write: Callable[[str], None], dest: PathArg, settings: Settings) ->
     save raises (StagingError, PublishError with the complete copy kept); a writer's own
     error removes the staged file and reaches the caller unchanged."""
     target = _checked_destination(dest)
+    if _patch.in_unstaged_dir(target):
+        # Into staged_dir's local directory or staged_file's path: staging already, and its
+        # owner publishes it (staging it again would publish after the owner had committed).
+        return write_unstaged(write, target, settings)
     area = StagingArea(settings.staging_root(), is_default=settings.root is None)
     item = write_staged(write, target, area)
     _background.settle(target)  # an earlier background publish of it lands first
@@ -395,6 +399,12 @@ def save_one_background(
     ``settings.max_pending`` files are publishing and no earlier publish of ``dest`` is
     pending. The future's result is the record; its exception the PublishError."""
     target = _checked_destination(dest)
+    if _patch.in_unstaged_dir(target):  # as in save_one: written now, nothing to publish
+        from concurrent.futures import Future
+
+        done: Future[PublishRecord] = Future()
+        done.set_result(write_unstaged(write, target, settings))
+        return done
     area = StagingArea(settings.staging_root(), is_default=settings.root is None)
     item = write_staged(write, target, area)
     try:

@@ -199,7 +199,16 @@ def _kept_content(directory: Path) -> Optional[str]:
         return "entries it cannot list"  # do not guess
     if DISPOSABLE_MARKER in names:
         return None  # staged_dir: still being written, or already published (_names)
-    return next((name for name in names if not is_writer_temp(name)), None)
+    # Only a regular file can be safetensors' temp: a directory of that name (a staged_dir
+    # named so) holds a checkpoint.
+    return next((name for name in names if not (is_writer_temp(name) and _is_file(directory / name))), None)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False  # gone meanwhile, or cannot tell: keep the directory
 
 
 def _remove(path: Path, kind: str) -> Optional[str]:

@@ -42,7 +42,7 @@ from . import _config, _patch
 from ._config import UNSET, PathArg, Settings
 from ._errors import PublishError
 from ._manifest import COMMIT_NAME, Crc32, FileEntry, Manifest, new_manifest, unsafe_path
-from ._names import DISPOSABLE_MARKER
+from ._names import DISPOSABLE_MARKER, is_writer_temp
 from ._paths import real_directory
 from ._publish import Digest, Published, fsync_directory, publish_file
 from ._stage import PrivateDir, PublishRecord, StagingArea, remove_tree
@@ -245,15 +245,14 @@ class StagedDir:
         dest = self.dest
         assert dest is not None and self._area is not None
         staged = private / _STAGED_COMMIT
-        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            data = memoryview(manifest.encode())
-            while data:
-                data = data[os.write(fd, data) :]
-        finally:
-            os.close(fd)
         target = dest / COMMIT_NAME
         try:
+            try:
+                _write_new_file(staged, manifest.encode())
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(staged)  # a torn local commit file helps nobody
+                raise
             if dest not in created:
                 _refuse_symlink(target, dest, local)
             result = publish_file(
@@ -290,6 +289,16 @@ class StagedDir:
                 publish_seconds=result.seconds,
             )
         )
+
+
+def _write_new_file(path: Path, payload: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        data = memoryview(payload)
+        while data:
+            data = data[os.write(fd, data) :]
+    finally:
+        os.close(fd)
 
 
 class _Work:
@@ -518,7 +527,10 @@ def _refuse_symlink(target: Path, dest: Path, local: Path) -> None:
 def _local_name(name: str) -> str:
     """The local directory is named like the destination, for people reading a PublishError
     (the destination "/" has no name)."""
-    return f"{name}.dir" if name in ("", DISPOSABLE_MARKER, _STAGED_COMMIT) else name
+    # Never a name a sweep could take for safetensors' torn temp (.tmpXXXXXX), as staged_name.
+    if name in ("", DISPOSABLE_MARKER, _STAGED_COMMIT) or is_writer_temp(name):
+        return f"{name}.dir"
+    return name
 
 
 def _discard(private: PrivateDir, local: Path) -> None:

@@ -146,7 +146,8 @@ def parse(data: bytes) -> Manifest:
     """The Manifest in ``data``; ManifestError says why it cannot be trusted."""
     try:
         document = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # RecursionError: deeply nested arrays ("[[[[..."), a foreign or hostile file.
         raise ManifestError(f"not valid JSON (a torn or foreign file?): {exc}") from exc
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise ManifestError(f"not a safestage commit file (no \"format\": {FORMAT!r})")
@@ -182,8 +183,12 @@ def parse(data: bytes) -> Manifest:
             raise ManifestError(f"file {path!r} has a bad digest {digest!r}")
         files.append(FileEntry(path, size, digest))
     raw_dirs = document.get("directories", [])
-    if not isinstance(raw_dirs, list) or not all(isinstance(d, str) for d in raw_dirs):
-        raise ManifestError("\"directories\" is not a list of strings")
+    if not isinstance(raw_dirs, list):
+        raise ManifestError("\"directories\" is not a list")
+    for directory in raw_dirs:
+        why = unsafe_path(directory)
+        if why is not None:
+            raise ManifestError(f"directory path {directory!r} {why}")
     writer = document.get("writer")
     return Manifest(
         files=tuple(files),

@@ -26,6 +26,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -338,7 +339,7 @@ def remove_unstaged_dir(directory: Path) -> None:
                 break
 
 
-def _in_unstaged_dir(dest: Path) -> bool:
+def in_unstaged_dir(dest: Path) -> bool:
     with _lock:
         return any(dest.is_relative_to(directory) for directory in _unstaged_dirs)
 
@@ -357,7 +358,7 @@ def _staging_wrapper(
         return wrapped(*args, **kwargs)
     filename, positional = _filename_argument(args, kwargs)
     dest = _destination(filename)
-    if dest is None or _in_unstaged_dir(dest):
+    if dest is None or in_unstaged_dir(dest):
         # Not a path we can stage, or a destination a plain save rejects before writing
         # (missing directory, a directory, a trailing slash): let safetensors raise exactly
         # its own error. A staged_file's or staged_dir's local directory is staging already.
@@ -399,9 +400,10 @@ def _torch_save_wrapper(
         dest = _destination(os.path.realpath(dest))
         if dest is not None and os.path.islink(dest):
             dest = None
-    if dest is None or _in_unstaged_dir(dest):
+    if dest is None or in_unstaged_dir(dest) or _special_file(dest):
         # A buffer, or a path a plain torch.save rejects (missing parent, a directory, a
-        # trailing slash): torch raises exactly its own error.
+        # trailing slash): torch raises exactly its own error. A device or FIFO there
+        # (torch.save(x, "/dev/null")): torch writes into it, and so must we, never replace it.
         return wrapped(*args, **kwargs)
     stage = begin_save(torch_save=True)
     if stage is None:
@@ -422,6 +424,15 @@ def _torch_save_wrapper(
         raise
     finally:
         stage._end_save()
+
+
+def _special_file(dest: Path) -> bool:
+    """Whether something other than a regular file (a device, FIFO, socket) is at ``dest``."""
+    try:
+        info = os.stat(dest)
+    except OSError:
+        return False
+    return not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode)
 
 
 def run_torch_writer(call: Callable[[], Any], staged: str) -> None:

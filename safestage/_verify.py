@@ -140,7 +140,8 @@ def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem],
     """(manifest, None, commit file mtime), or (None, the problem, 0.0)."""
     target = directory / COMMIT_NAME
     try:
-        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO put there must not hang a resumer (it is refused just below).
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError):
         return None, Problem("", "no-commit", f"no commit file {COMMIT_NAME} (never committed, or a commit was interrupted)"), 0.0
     except OSError as exc:
@@ -219,7 +220,8 @@ def _deep_problems(
 ) -> list[Problem]:
     problems = []
     try:
-        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO put there must not hang a resumer (it is refused just below).
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         return [Problem(path, "unreadable", _text(exc))]
     try:

@@ -160,6 +160,17 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 self.remove_checkpoint(path)
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's own load, after this path's pending background publish: a load right
+        after a save must read that save, never the file it replaces (a failed publish is
+        raised here instead)."""
+        self._this_process()
+        path = args[0] if args else kwargs.get("path")
+        local = _local_path(path) if path is not None else None
+        if local is not None:
+            with self._lock:
+                future = self._publishing.get(os.path.abspath(local))
+            if future is not None and future.exception() is not None:  # waits
+                self.wait()  # raises the PublishError
         result: dict[str, Any] = self.checkpoint_io.load_checkpoint(*args, **kwargs)
         return result
 
