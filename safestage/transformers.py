@@ -107,6 +107,13 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         if not args.should_save:
             return
         checkpoint = self._checkpoint(args, state)
+        if not checkpoint.is_dir():
+            # The Trainer's own rotation (save_total_limit) runs before on_save and can delete the
+            # checkpoint it has just written: it keeps the highest step numbers when directory
+            # mtimes are less than 1 s apart, and a run resumed from an older checkpoint writes
+            # lower ones. Nothing to commit; the Trainer decided.
+            log.warning("%s: not there any more (removed by save_total_limit?): not committed", checkpoint)
+            return
         started = time.perf_counter()
         manifest = commit_in_place(checkpoint, self._root, publish=self._publish, fsync=self._fsync)
         seconds = time.perf_counter() - started
