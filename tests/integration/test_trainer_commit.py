@@ -94,10 +94,10 @@ def _reports(reports: Path) -> list[dict[str, int]]:
     return [json.loads((reports / f"rank-{rank}.json").read_text()) for rank in range(WORLD)]
 
 
-def _commit_lines(log: Path) -> list[tuple[str, float]]:
-    """(checkpoint name, seconds) of each "committed" line CommitCallback logged at INFO."""
-    found = re.findall(r"/(checkpoint-\d+): committed \(\d+ files, \d+ bytes\) in ([0-9.]+)s", log.read_text())
-    return [(name, float(seconds)) for name, seconds in found]
+def _commit_lines(log: Path) -> list[tuple[str, int, int, float]]:
+    """(checkpoint name, files, bytes, seconds) of each "committed" line CommitCallback logged."""
+    found = re.findall(r"/(checkpoint-\d+): committed \((\d+) files, (\d+) bytes\) in ([0-9.]+)s", log.read_text())
+    return [(name, int(files), int(size), float(seconds)) for name, files, size, seconds in found]
 
 
 def _global_step(checkpoint: Path) -> int:
@@ -160,7 +160,7 @@ def test_trainer_killed_mid_checkpoint_resumes_from_the_newest_committed(mode, k
     assert _reports(reports2) == [{"start_step": 4, "end_step": MAX_STEPS}] * WORLD  # not 6, not 0
 
     commits = _commit_lines(logs / "rank-0.log")  # each run's rank 0 appends to one log
-    assert [name for name, _ in commits] == ["checkpoint-2", "checkpoint-4", KILL_AT, "checkpoint-8"]
+    assert [name for name, *_ in commits] == ["checkpoint-2", "checkpoint-4", KILL_AT, "checkpoint-8"]
     assert "never committed" not in _logs(logs)  # the resume warning did not fire
 
     # save_total_limit=2 rotated 2 and 4 away; 6 was rewritten whole and committed, then 8.
