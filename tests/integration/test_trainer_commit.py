@@ -41,6 +41,8 @@ WORLD = 2
 MAX_STEPS = 8  # checkpoints at steps 2, 4, 6, 8
 KILL_AT = "checkpoint-6"  # the third checkpoint, killed once this file of it has appeared:
 KILL_WHEN = {"hdfs": "model.safetensors", "mountpoint": "optimizer.pt"}
+# mountpoint also publishes in the background: on_save must wait for this rank's publishes.
+EXTRA_ENV = {"hdfs": {}, "mountpoint": {"SAFESTAGE_BACKGROUND": "1"}}
 
 
 def _free_port() -> int:
@@ -49,7 +51,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _launch(output_dir: Path, reports: Path, root: Path, logs: Path) -> list[subprocess.Popen[bytes]]:
+def _launch(
+    output_dir: Path, reports: Path, root: Path, logs: Path, extra: dict[str, str]
+) -> list[subprocess.Popen[bytes]]:
     """Both ranks, in one new process group (the first rank's pid)."""
     port = _free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
@@ -59,6 +63,7 @@ def _launch(output_dir: Path, reports: Path, root: Path, logs: Path) -> list[sub
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
         LOCAL_WORLD_SIZE=str(WORLD), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", SAFESTAGE_LOG_LEVEL="INFO",
+        **extra,
     )  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -115,7 +120,7 @@ def test_trainer_killed_mid_checkpoint_resumes_from_the_newest_committed(mode, k
     reports1 = tmp_path / "reports-1"
     reports1.mkdir()
     started = time.monotonic()
-    procs = _launch(output_dir, reports1, root, logs)
+    procs = _launch(output_dir, reports1, root, logs, EXTRA_ENV[mode])
     torn = output_dir / KILL_AT
     try:
         while not (torn / KILL_WHEN[mode]).exists():
@@ -149,7 +154,7 @@ def test_trainer_killed_mid_checkpoint_resumes_from_the_newest_committed(mode, k
     reports2 = tmp_path / "reports-2"
     reports2.mkdir()
     resumed_started = time.monotonic()
-    procs = _launch(output_dir, reports2, root, logs)
+    procs = _launch(output_dir, reports2, root, logs, EXTRA_ENV[mode])
     try:
         for p in procs:
             p.wait(timeout=150)
@@ -270,3 +275,12 @@ def test_a_checkpoint_the_trainers_rotation_deleted_before_on_save_is_skipped(tm
     assert "checkpoint-2: not there any more (removed by save_total_limit?): not committed" in caplog.text
     assert "checkpoint-2" not in [path.name for path, _, _ in commit.committed]
     assert safestage.latest_complete(output_dir) == output_dir / "checkpoint-3"
+
+
+def test_a_run_resumed_from_an_uncommitted_checkpoint_is_warned_about(tmp_path, caplog):
+    output_dir = tmp_path / "run"
+    _train(output_dir, None, None)
+    os.unlink(output_dir / "checkpoint-2" / safestage.COMMIT_NAME)  # as if killed before the commit
+    with caplog.at_level("WARNING", logger="safestage"):
+        _train(output_dir, output_dir / "checkpoint-2", None)  # what resume_from_checkpoint=True does
+    assert "resuming at step 2, but" in caplog.text and "was never committed" in caplog.text
