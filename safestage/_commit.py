@@ -435,7 +435,8 @@ def commit_in_place(
             errno.EBADMSG,
             f"safestage will not commit {dest}: {len(problems)} problem(s) in the files at the "
             f"destination: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}. No "
-            f"commit file was written: {dest} is not complete (verify and latest_complete say so).",
+            f"commit file was written: {dest} is not complete (verify and latest_complete say so). "
+            f"Write the checkpoint again, then commit again.",
             str(dest),
             step="verify",
         )
