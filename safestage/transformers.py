@@ -36,6 +36,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from ._config import UNSET, PathArg
+from ._manifest import Manifest
 
 __all__ = ["CommitCallback"]
 
@@ -68,7 +69,7 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         self._root = root
         self._publish = publish
         self._fsync = fsync
-        self.committed: list[tuple[Path, Any, float]] = []
+        self.committed: list[tuple[Path, Manifest, float]] = []
 
     # -- the Trainer's events -------------------------------------------------------------------
 
