@@ -1,0 +1,154 @@
+"""transformers: a ``TrainerCallback`` that commits each checkpoint the Trainer has written.
+
+    from safestage.transformers import CommitCallback
+
+    trainer = transformers.Trainer(..., callbacks=[CommitCallback()])
+    trainer.train(resume_from_checkpoint=safestage.latest_complete(args.output_dir))
+
+The Trainer writes ``checkpoint-N`` straight into ``output_dir``, from every rank
+(``model.safetensors`` and ``optimizer.pt`` from rank 0, ``rng_state_<rank>.pth`` from each),
+with ``torch.save`` and plain ``open()`` (``trainer_state.json``), and its own resume
+(``resume_from_checkpoint=True``) picks the newest directory whether or not its writer
+finished (transformers#35782). With staging on (``SAFESTAGE_DIR`` and
+``SAFESTAGE_TORCH_SAVE=1``) each file lands whole; this callback makes the directory land
+whole: once every rank is done (a barrier on the default torch.distributed group), the
+process that saves (``args.should_save``: world rank 0, or each node's local rank 0 with
+``save_on_each_node``) reads every file back and writes the commit file last
+(``safestage.commit_in_place``). ``safestage.latest_complete(output_dir)`` then names the
+newest checkpoint that was committed, never one a killed job left half-written.
+
+Before the Trainer writes into a ``checkpoint-N`` that already holds a commit file (a run
+resumed from an older checkpoint than the newest one), that commit file is removed, so a kill
+during the rewrite cannot leave an old commit vouching for new files.
+
+What it holds is glue only: when to commit (the Trainer's events, the barrier) and where
+(``checkpoint-<global_step>`` under ``output_dir``). Reading back and committing are the core's.
+transformers is imported when this module is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from transformers import TrainerCallback
+
+from ._config import UNSET, PathArg
+from ._manifest import Manifest
+
+__all__ = ["CommitCallback"]
+
+log = logging.getLogger("safestage")
+
+_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+
+
+class CommitCallback(TrainerCallback):  # type: ignore[misc]
+    """Commit every checkpoint the Trainer saves, once all ranks have written it.
+
+    ``root`` (the staging root, where the commit file is written before it is published),
+    ``publish`` and ``fsync`` mean what they mean for ``safestage.staged()`` (argument >
+    SAFESTAGE_* variable > default). After each commit, ``committed`` holds
+    ``(checkpoint path, manifest, seconds)``. A checkpoint that fails its read-back raises
+    PublishError from ``on_save`` and gets no commit file: the run stops, as it would if the
+    Trainer's own write had failed.
+    """
+
+    def __init__(
+        self,
+        root: Optional[PathArg] = None,
+        *,
+        publish: Any = UNSET,
+        fsync: Any = UNSET,
+    ) -> None:
+        from . import _config
+
+        _config.resolve(root=root, publish=publish, fsync=fsync)  # ConfigError now, not at step N
+        self._root = root
+        self._publish = publish
+        self._fsync = fsync
+        self.committed: list[tuple[Path, Manifest, float]] = []
+
+    # -- the Trainer's events -------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if args.should_save and args.save_total_limit == 1:
+            log.warning(
+                "save_total_limit=1 deletes the previous checkpoint before the new "
+                "one is committed (the Trainer rotates before on_save): a job killed then "
+                "leaves no complete checkpoint. Use save_total_limit >= 2."
+            )
+        if state.global_step > 0 and args.should_save:
+            resumed = self._checkpoint(args, state)
+            from ._verify import verify
+
+            if resumed.is_dir() and not verify(resumed).complete:
+                log.warning(
+                    "resuming at step %d, but %s was never committed (a torn "
+                    "checkpoint?); resume from safestage.latest_complete(%r) instead",
+                    state.global_step, resumed, str(args.output_dir),
+                )  # fmt: skip
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if control.should_save:
+            self._before_save(args, state)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if control.should_save:
+            self._before_save(args, state)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from . import _api
+        from ._commit import commit_in_place
+
+        _api.wait()  # this rank's background publishes (SAFESTAGE_BACKGROUND=1) have landed
+        _barrier()  # every rank has written its files
+        if not args.should_save:
+            return
+        checkpoint = self._checkpoint(args, state)
+        if not checkpoint.is_dir():
+            # The Trainer's own rotation (save_total_limit) runs before on_save and can delete the
+            # checkpoint it has just written: it keeps the highest step numbers when directory
+            # mtimes are less than 1 s apart, and a run resumed from an older checkpoint writes
+            # lower ones. Nothing to commit; the Trainer decided.
+            log.warning("%s: not there any more (removed by save_total_limit?): not committed", checkpoint)
+            return
+        started = time.perf_counter()
+        manifest = commit_in_place(checkpoint, self._root, publish=self._publish, fsync=self._fsync)
+        seconds = time.perf_counter() - started
+        self.committed.append((checkpoint, manifest, seconds))
+        log.info(
+            "%s: committed (%d files, %d bytes) in %.3fs",
+            checkpoint, len(manifest.files), manifest.total_bytes, seconds,
+        )  # fmt: skip
+
+    # -- glue -----------------------------------------------------------------------------------
+
+    def _checkpoint(self, args: Any, state: Any) -> Path:
+        return Path(args.output_dir) / f"{_PREFIX}-{state.global_step}"
+
+    def _before_save(self, args: Any, state: Any) -> None:
+        """The Trainer is about to write ``checkpoint-<step>``: a commit file already there
+        (this step was committed by an earlier run) goes first, then every rank may write."""
+        if args.should_save:
+            from ._commit import invalidate
+            from ._config import resolve
+
+            checkpoint = self._checkpoint(args, state)
+            if checkpoint.is_dir() and invalidate(checkpoint, fsync=resolve(fsync=self._fsync).fsync):
+                log.info("%s is being rewritten: its commit file was removed first", checkpoint)
+        _barrier()
+
+
+def _barrier() -> None:
+    """Wait for every rank of the default group (gloo, nccl), if torch.distributed is up."""
+    import sys
+
+    if "torch" not in sys.modules:  # a process without torch has no process group
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

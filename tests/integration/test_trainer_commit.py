@@ -1,0 +1,286 @@
+"""safestage.transformers.CommitCallback with the real transformers Trainer (issue 12).
+
+Two ranks (torch.distributed, gloo, CPU) train a tiny Llama built from a config, staged by the
+environment only (SAFESTAGE_DIR, SAFESTAGE_TORCH_SAVE=1), saving every 2 steps into a run
+directory on the kit's hdfs and mountpoint FUSE mounts (``_trainer_run.py``, the recipe of
+docs/checkpoints.md). The first run is SIGKILLed (its whole process group) as soon as its third
+checkpoint directory appears, while it is being written; the same script then runs again and
+resumes from ``safestage.latest_complete``.
+
+The ranks are started here, not by torchrun: torchrun puts its workers in sessions of their
+own, and the kill must reach every rank at once, as a preemption does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from _helpers import files_under, fresh_dir, stray_files
+from safetensors.torch import load_file
+from transformers.trainer_utils import get_last_checkpoint
+
+import safestage
+from safestage.transformers import CommitCallback
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "_trainer_run.py"
+WORLD = 2
+MAX_STEPS = 8  # checkpoints at steps 2, 4, 6, 8
+KILL_AT = "checkpoint-6"  # the third checkpoint, killed once this file of it has appeared:
+KILL_WHEN = {"hdfs": "model.safetensors", "mountpoint": "optimizer.pt"}
+# mountpoint also publishes in the background: on_save must wait for this rank's publishes.
+EXTRA_ENV = {"hdfs": {}, "mountpoint": {"SAFESTAGE_BACKGROUND": "1"}}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch(
+    output_dir: Path, reports: Path, root: Path, logs: Path, extra: dict[str, str]
+) -> list[subprocess.Popen[bytes]]:
+    """Both ranks, in one new process group (the first rank's pid)."""
+    port = _free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    base.update(
+        SAFESTAGE_DIR=str(root),  # the start-up hook stages every save of each rank
+        SAFESTAGE_TORCH_SAVE="1",  # optimizer.pt, scheduler.pt, rng_state_*.pth too
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", SAFESTAGE_LOG_LEVEL="INFO",
+        **extra,
+    )  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(WORLD):
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            command = [sys.executable, str(SCRIPT), str(output_dir), str(reports), str(MAX_STEPS)]
+            with open(logs / f"rank-{rank}.log", "ab") as log:  # the child keeps its own descriptor
+                procs.append(
+                    subprocess.Popen(
+                        command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                        process_group=procs[0].pid if procs else 0,  # one new group: rank 0's pid
+                    )
+                )
+    except BaseException:
+        _kill(procs)
+        raise
+    return procs
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL the ranks' process group, as a preemption would, and reap them."""
+    if procs and any(p.poll() is None for p in procs):
+        os.killpg(procs[0].pid, signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=60)
+
+
+def _logs(logs: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(logs.iterdir()))
+
+
+def _reports(reports: Path) -> list[dict[str, int]]:
+    return [json.loads((reports / f"rank-{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def _commit_lines(log: Path) -> list[tuple[str, int, int, float]]:
+    """(checkpoint name, files, bytes, seconds) of each "committed" line CommitCallback logged."""
+    found = re.findall(r"/(checkpoint-\d+): committed \((\d+) files, (\d+) bytes\) in ([0-9.]+)s", log.read_text())
+    return [(name, int(files), int(size), float(seconds)) for name, files, size, seconds in found]
+
+
+def _global_step(checkpoint: Path) -> int:
+    return int(json.loads((checkpoint / "trainer_state.json").read_text())["global_step"])
+
+
+@pytest.mark.parametrize("mode", sorted(KILL_WHEN))
+def test_trainer_killed_mid_checkpoint_resumes_from_the_newest_committed(mode, kit_mounts, tmp_path):
+    output_dir = fresh_dir(kit_mounts[mode], "run")
+    root, logs = tmp_path / "scratch", tmp_path / "logs"
+    root.mkdir()
+    logs.mkdir()
+
+    # -- run 1: killed while its third checkpoint is being written ----------------------------
+    reports1 = tmp_path / "reports-1"
+    reports1.mkdir()
+    started = time.monotonic()
+    procs = _launch(output_dir, reports1, root, logs, EXTRA_ENV[mode])
+    torn = output_dir / KILL_AT
+    try:
+        while not (torn / KILL_WHEN[mode]).exists():
+            assert all(p.poll() is None for p in procs), "a rank ended before the kill:\n" + _logs(logs)
+            assert time.monotonic() - started < 120, "no third checkpoint after 120 s:\n" + _logs(logs)
+            time.sleep(0.005)
+    finally:
+        _kill(procs)
+    killed_after = time.monotonic() - started
+    killed_procs = procs
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * WORLD
+    assert [r["start_step"] for r in _reports(reports1)] == [0, 0]
+
+    # What the kill left: checkpoint-6 without a commit file, checkpoints 2 and 4 committed.
+    assert (torn / safestage.COMMIT_NAME).exists() is False, (
+        f"{KILL_AT} was committed before the kill landed: the test did not kill mid-checkpoint"
+    )
+    assert not safestage.verify(torn).complete
+    assert [p.name for p in sorted(output_dir.iterdir())] == ["checkpoint-2", "checkpoint-4", KILL_AT]
+    for name in ("checkpoint-2", "checkpoint-4"):
+        assert safestage.verify(output_dir / name, deep=True).complete, name
+    latest = safestage.latest_complete(output_dir)
+    assert latest == output_dir / "checkpoint-4"
+    # What resume_from_checkpoint=True would have taken (transformers#35782): the torn one.
+    assert get_last_checkpoint(str(output_dir)) == str(torn)
+    assert _global_step(latest) == 4
+    torn_files = files_under(torn)
+    assert KILL_WHEN[mode] in torn_files
+
+    # -- run 2: the same script resumes from latest_complete and finishes ---------------------
+    reports2 = tmp_path / "reports-2"
+    reports2.mkdir()
+    resumed_started = time.monotonic()
+    procs = _launch(output_dir, reports2, root, logs, EXTRA_ENV[mode])
+    try:
+        for p in procs:
+            p.wait(timeout=150)
+    finally:
+        _kill(procs)
+    resumed_seconds = time.monotonic() - resumed_started
+    assert [p.returncode for p in procs] == [0] * WORLD, _logs(logs)
+    assert _reports(reports2) == [{"start_step": 4, "end_step": MAX_STEPS}] * WORLD  # not 6, not 0
+
+    commits = _commit_lines(logs / "rank-0.log")  # each run's rank 0 appends to one log
+    assert [name for name, *_ in commits] == ["checkpoint-2", "checkpoint-4", KILL_AT, "checkpoint-8"]
+    assert "never committed" not in _logs(logs)  # the resume warning did not fire
+
+    # save_total_limit=2 rotated 2 and 4 away; 6 was rewritten whole and committed, then 8.
+    assert [p.name for p in sorted(output_dir.iterdir())] == [KILL_AT, "checkpoint-8"]
+    assert safestage.latest_complete(output_dir) == output_dir / "checkpoint-8"
+    assert not stray_files(output_dir), f"temp files left: {stray_files(output_dir)} (torn run: {torn_files})"
+    for step in (6, 8):
+        checkpoint = output_dir / f"checkpoint-{step}"
+        result = safestage.verify(checkpoint, deep=True)
+        assert result.complete, result.problems
+        assert result.extra == []
+        names = sorted(entry.path for entry in result.manifest.files)
+        # every file there is in the commit; the commit file is the only other one
+        assert sorted(files_under(checkpoint)) == sorted([*names, safestage.COMMIT_NAME])
+        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
+                "rng_state_1.pth", "trainer_state.json", "training_args.bin"} <= set(names)  # fmt: skip
+        assert _global_step(checkpoint) == step
+        weights = load_file(str(checkpoint / "model.safetensors"))
+        assert weights["model.embed_tokens.weight"].shape == (512, 128)
+        optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+        assert optimizer["state"], "optimizer state loads back"
+        for rank in range(WORLD):
+            torch.load(checkpoint / f"rng_state_{rank}.pth", weights_only=False)
+    # The staging root holds at most what the killed ranks left while publishing (a kept copy,
+    # never swept: docs/checkpoints.md); nothing of the resumed run.
+    killed = {str(p.pid) for p in killed_procs}
+    left = sorted(os.listdir(root))
+    assert all(name.split("-")[-2] in killed for name in left), (left, killed)
+    print(f"\n{mode}: killed after {killed_after:.1f} s, {KILL_AT} then held {torn_files}; "
+          f"resumed run {resumed_seconds:.1f} s; commits {commits}; left in the staging root: {left}")
+
+
+# -- one process, in this one: a rewrite of a committed checkpoint -------------------------------
+
+
+class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.arange(index, index + 16) % 128
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class _CommitFileProbe(transformers.TrainerCallback):
+    """After CommitCallback's on_step_end, before the Trainer writes: is the commit file there?"""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, bool] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if control.should_save:
+            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            self.seen[state.global_step] = (checkpoint / safestage.COMMIT_NAME).exists()
+
+
+def _train(output_dir: Path, resume: Path | None, limit: int | None) -> tuple[CommitCallback, _CommitFileProbe]:
+    from _clients import tiny_llama
+
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=3, save_steps=1, save_total_limit=limit,
+        per_device_train_batch_size=2, use_cpu=True, report_to=[], logging_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    commit, probe = CommitCallback(), _CommitFileProbe()
+    trainer = transformers.Trainer(
+        model=tiny_llama(), args=args, train_dataset=_Tokens(), callbacks=[commit, probe]
+    )
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    return commit, probe
+
+
+def test_a_committed_checkpoint_rewritten_by_a_resumed_run_loses_its_commit_file_first(tmp_path, caplog):
+    output_dir = tmp_path / "run"
+    commit, probe = _train(output_dir, None, None)
+    assert [path.name for path, _, _ in commit.committed] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert probe.seen == {1: False, 2: False, 3: False}
+    old = {name: (output_dir / name / safestage.COMMIT_NAME).read_bytes() for name in ("checkpoint-2", "checkpoint-3")}
+
+    # Resumed from an older checkpoint than the newest (a user's choice): steps 2 and 3 are
+    # written again into directories that hold commit files; each goes before the Trainer writes.
+    with caplog.at_level("INFO", logger="safestage"):
+        commit, probe = _train(output_dir, output_dir / "checkpoint-1", 1)
+    assert probe.seen == {2: False, 3: False}
+    assert [path.name for path, _, _ in commit.committed] == ["checkpoint-2", "checkpoint-3"]
+    assert "is being rewritten: its commit file was removed first" in caplog.text
+    assert "save_total_limit=1 deletes the previous checkpoint" in caplog.text
+    # save_total_limit=1: only checkpoint-3 is left, committed again, with this run's digests.
+    assert sorted(os.listdir(output_dir)) == ["checkpoint-3"]
+    assert (output_dir / "checkpoint-3" / safestage.COMMIT_NAME).read_bytes() != old["checkpoint-3"]
+    assert safestage.verify(output_dir / "checkpoint-3", deep=True).complete
+    assert safestage.latest_complete(output_dir) == output_dir / "checkpoint-3"
+
+
+def test_a_checkpoint_the_trainers_rotation_deleted_before_on_save_is_skipped(tmp_path, caplog):
+    """rotate_checkpoints (save_total_limit) runs before on_save and sorts by directory mtime:
+    with the older checkpoints' mtimes ahead of this host's clock (a network filesystem's
+    server clock), it deletes the checkpoint it has just written. Nothing to commit: a WARNING,
+    and training goes on."""
+    output_dir = tmp_path / "run"
+    _train(output_dir, None, None)
+    ahead = time.time() + 3600
+    for name in ("checkpoint-1", "checkpoint-2", "checkpoint-3"):
+        os.utime(output_dir / name, (ahead, ahead))
+    with caplog.at_level("WARNING", logger="safestage"):
+        commit, _ = _train(output_dir, output_dir / "checkpoint-1", 2)
+    assert "checkpoint-2: not there any more (removed by save_total_limit?): not committed" in caplog.text
+    assert "checkpoint-2" not in [path.name for path, _, _ in commit.committed]
+    assert safestage.latest_complete(output_dir) == output_dir / "checkpoint-3"
+
+
+def test_a_run_resumed_from_an_uncommitted_checkpoint_is_warned_about(tmp_path, caplog):
+    output_dir = tmp_path / "run"
+    _train(output_dir, None, None)
+    os.unlink(output_dir / "checkpoint-2" / safestage.COMMIT_NAME)  # as if killed before the commit
+    with caplog.at_level("WARNING", logger="safestage"):
+        _train(output_dir, output_dir / "checkpoint-2", None)  # what resume_from_checkpoint=True does
+    assert "resuming at step 2, but" in caplog.text and "was never committed" in caplog.text

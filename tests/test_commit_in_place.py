@@ -1,0 +1,136 @@
+"""safestage.commit_in_place (issue 12, the Trainer callback's core): a directory that other
+writers already filled at its destination is read back and committed with a commit file
+written last. Real files on disk and on the kit's hdfs and mountpoint mounts; the commit
+file is checked against CRC-32s computed here from the bytes written.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_checkpoints import assert_committed, write_checkpoint
+
+import safestage
+from safestage import COMMIT_NAME, PublishError
+from safestage._names import HOST
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    path = tmp_path / "scratch"
+    path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("kit_dir", ["hdfs", "mountpoint"], indirect=True)
+def test_round_trip_on_the_kit(kit_dir: Path, root: Path) -> None:
+    dest = kit_dir / "checkpoint-3"
+    dest.mkdir()
+    with safestage.staged(root):  # written in place, as the Trainer does with SAFESTAGE_DIR set
+        expected = write_checkpoint(dest, 3, newline=False)
+    manifest = safestage.commit_in_place(dest, root)
+    assert_committed(dest, expected)  # digests = zlib.crc32 of the bytes written, no temp file
+    assert [entry.path for entry in manifest.files] == sorted(expected)
+    assert manifest.directories == ("empty",)
+    assert os.listdir(root) == []  # the staged commit file is gone too
+    assert safestage.latest_complete(kit_dir) == dest
+
+
+def test_a_recommit_vouches_for_the_files_as_they_are_now(tmp_path: Path, root: Path) -> None:
+    dest = tmp_path / "checkpoint-1"
+    dest.mkdir()
+    write_checkpoint(dest, 1)
+    safestage.commit_in_place(dest, root)
+    local = tmp_path / "local"
+    local.mkdir()
+    with safestage.staged(root):  # 0644, not plain safetensors 0.8's 0600 (#782)
+        expected = write_checkpoint(local, 2)
+    shutil.copytree(local, dest, dirs_exist_ok=True)  # rewritten in place: same names and sizes
+    assert not safestage.verify(dest, deep=True).complete  # the old commit no longer matches
+    safestage.commit_in_place(dest, root)
+    assert_committed(dest, expected)
+
+
+def _refused(dest: Path, root: Path, *fragments: str) -> PublishError:
+    with pytest.raises(PublishError) as caught:
+        safestage.commit_in_place(dest, root)
+    error = caught.value
+    for fragment in fragments:
+        assert fragment in str(error), str(error)
+    assert not (dest / COMMIT_NAME).exists()  # the old commit file went first
+    assert [p.kind for p in safestage.verify(dest).problems] == ["no-commit"]
+    assert os.listdir(root) == []
+    return error
+
+
+@pytest.mark.parametrize("what", ["torn-safetensors", "torn-json", "index-names-a-missing-shard"])
+def test_a_bad_file_at_the_destination_is_never_committed(tmp_path: Path, root: Path, what: str) -> None:
+    dest = tmp_path / "checkpoint-1"
+    dest.mkdir()
+    write_checkpoint(dest, 1)
+    save_file({"w": torch.ones(1000)}, str(dest / "model.safetensors"))
+    safestage.commit_in_place(dest, root)  # a previous commit of the directory
+    if what == "torn-safetensors":  # what a killed direct upload leaves on an object store
+        os.truncate(dest / "model.safetensors", 300)
+        fragment = "model.safetensors: not a complete safetensors file"
+    elif what == "torn-json":  # trainer_state.json is a plain open() write
+        (dest / "trainer_state.json").write_text('{"global_step": 1')
+        fragment = "trainer_state.json: not valid JSON"
+    else:
+        index = {"metadata": {}, "weight_map": {"w": "model.safetensors", "v": "model-2.safetensors"}}
+        (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+        fragment = "names files that are not there: model-2.safetensors"
+    error = _refused(dest, root, fragment, "No commit file was written")
+    assert error.errno == errno.EBADMSG and error.step == "verify"
+
+
+def test_symlinks_are_refused(tmp_path: Path, root: Path) -> None:
+    dest = tmp_path / "checkpoint-1"
+    dest.mkdir()
+    write_checkpoint(dest, 1)
+    (dest / "link.pt").symlink_to(dest / "config.json")
+    assert _refused(dest, root, "is a symlink").errno == errno.EINVAL
+
+
+def test_a_missing_directory(tmp_path: Path, root: Path) -> None:
+    with pytest.raises(PublishError) as caught:
+        safestage.commit_in_place(tmp_path / "nope", root)
+    assert caught.value.errno == errno.ENOENT
+
+
+def test_temp_files_of_dead_writers_go_live_ones_stay_outside_the_commit(
+    tmp_path: Path, root: Path, caplog: Any
+) -> None:
+    dest = tmp_path / "checkpoint-1"
+    dest.mkdir()
+    expected = write_checkpoint(dest, 1)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = dest / f".optimizer.pt.safestage-{HOST}-{int(gone.stdout)}-0123abcd.tmp"  # a killed rank's
+    live = dest / f".model.safetensors.safestage-{HOST}-{os.getpid()}-4567cdef.tmp"  # ours: alive
+    writer = dest / ".tmpAb12Cd"  # safetensors 0.8's own temp (Rust tempfile)
+    for temp in (dead, live, writer):
+        temp.write_bytes(b"partial")
+    with caplog.at_level("WARNING", logger="safestage"):
+        manifest = safestage.commit_in_place(dest, root)
+    assert not dead.exists() and live.exists() and writer.exists()
+    assert [entry.path for entry in manifest.files] == sorted(expected)
+    assert {live.name, writer.name} <= {r.getMessage().split(": ")[1].split(" is a temp")[0] for r in caplog.records}
+    assert safestage.verify(dest, deep=True).complete
+
+
+def test_import_safestage_stays_light() -> None:
+    code = (
+        "import sys, safestage; safestage.commit_in_place; "
+        "assert not {'transformers', 'torch'} & set(sys.modules), sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "SAFESTAGE": "0"})
