@@ -244,6 +244,12 @@ def test_a_committed_checkpoint_rewritten_by_a_resumed_run_loses_its_commit_file
     assert [path.name for path, _, _ in commit.committed] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert probe.seen == {1: False, 2: False, 3: False}
     old = {name: (output_dir / name / safestage.COMMIT_NAME).read_bytes() for name in ("checkpoint-2", "checkpoint-3")}
+    # The first run's checkpoints are an hour old, as between two jobs: the Trainer's rotation
+    # sorts by mtime, and with mtimes under 1 s apart it keeps the highest steps instead, which
+    # can be the old checkpoint-3 (test_a_checkpoint_the_trainers_rotation_deleted_...).
+    past = time.time() - 3600
+    for name in ("checkpoint-1", "checkpoint-2", "checkpoint-3"):
+        os.utime(output_dir / name, (past, past))
 
     # Resumed from an older checkpoint than the newest (a user's choice): steps 2 and 3 are
     # written again into directories that hold commit files; each goes before the Trainer writes.
