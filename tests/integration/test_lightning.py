@@ -99,6 +99,7 @@ def test_seed_case_fabric_save_with_and_without_the_plugin(version, old_fsspec, 
         "hdfs": Path(kit_mounts["hdfs"].path),
         "close-eio": Path(kit_mounts["close-eio"].path),
         "s3fs": Path(real_mounts["s3fs"].path),
+        "rclone": Path(real_mounts["rclone-s3"].path),
         "disk": tmp_path,
     }
     cases = []
@@ -128,7 +129,11 @@ def test_seed_case_fabric_save_with_and_without_the_plugin(version, old_fsspec, 
     assert eio["listing"] == []
 
     # Through the plugin: every destination the same.
-    for place, strategy in (("mountpoint", "direct"), ("hdfs", "replace"), ("s3fs", "replace"), ("disk", "replace")):
+    case = got["rclone", False]  # a sequential copy: rclone takes it; every file is 0644 there
+    assert case["error"] is None and case["equal"] and case["tmpdir_new"] == [] and case["mode"] == "0o644", case
+    for place, strategy in (
+        ("mountpoint", "direct"), ("hdfs", "replace"), ("s3fs", "replace"), ("rclone", "replace"), ("disk", "replace")
+    ):  # fmt: skip
         case = got[place, True]
         assert case["error"] is None, case
         assert case["records"] == [["last.ckpt", strategy]]
