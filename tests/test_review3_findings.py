@@ -127,3 +127,29 @@ def test_commit_callback_on_save_raises_publish_error_for_a_hostile_json(tmp_pat
     assert caught.value.errno == errno.EBADMSG
     assert "trainer_state.json" in str(caught.value)
     assert safestage.latest_complete(tmp_path) is None
+
+
+# -- 3. Lightning background: a load by another spelling of the path does not wait ----------------
+
+
+def test_lightning_background_load_by_the_kernels_path_reads_the_new_save(tmp_path: Path, root: Path) -> None:
+    """StagedCheckpointIO(background=True).load_checkpoint promises "a load right after a save
+    must read that save, never the file it replaces". It looks the pending publish up by
+    os.path.abspath text, while the publisher (and _paths: "paths as the kernel resolves
+    them, never as text") keys by the kernel's path. A checkpoint saved through a symlinked
+    run directory (~/runs -> /mnt/hdfs/runs) and loaded by its real path does not wait:
+    the load returns the previous checkpoint's tensors."""
+    from safestage.lightning import StagedCheckpointIO
+    from safestage.testing import hostile_mount
+
+    with hostile_mount("slow", tmp_path / "mnt", mbps=4) as mount:
+        real = Path(mount.path) / "ckpts"
+        real.mkdir()
+        alias = tmp_path / "ckpts-link"
+        alias.symlink_to(real)
+        torch.save({"step": 1, "w": torch.zeros(10)}, real / "last.ckpt")  # the previous save
+        plugin = StagedCheckpointIO(root, background=True)
+        plugin.save_checkpoint({"step": 2, "w": torch.ones(1 << 20)}, alias / "last.ckpt")  # 4 MiB: ~1 s
+        loaded = plugin.load_checkpoint(real / "last.ckpt")
+        plugin.teardown()
+        assert loaded["step"] == 2
