@@ -552,12 +552,17 @@ def _read_back(dest: Path, files: list[tuple[str, int]]) -> tuple[list[FileEntry
         size = 0
         kept = bytearray()  # a .json file's bytes, to parse
         try:
-            fd = os.open(dest / path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO swapped in since the listing must not hang the commit.
+            fd = os.open(dest / path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as exc:
             problems.append(f"{path}: cannot open: {exc.strerror} (errno {exc.errno})")
             continue
         try:
-            expected = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                problems.append(f"{path}: not a regular file any more")
+                continue
+            expected = info.st_size
             while count := os.readv(fd, [view]):
                 crc.update(view[:count])
                 size += count
@@ -584,7 +589,7 @@ def _json_problems(path: str, data: bytes, present: set[str]) -> list[str]:
     plain open() writes); a ``*.index.json`` must name only files that are there."""
     try:
         document = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # as _manifest.parse
         return [f"{path}: not valid JSON (torn?): {exc}"]
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not path.endswith(".index.json") or not isinstance(weight_map, dict):

@@ -260,7 +260,7 @@ def safetensors_problem(fd: int, size: int) -> Optional[str]:
         return f"a {length}-byte header (safetensors refuses more than {_MAX_HEADER})"
     try:
         header = json.loads(_pread_exactly(fd, length, 8))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested headers
         return f"the header is not valid JSON: {exc}"
     if not isinstance(header, dict):
         return "the header is not a JSON object"
@@ -277,7 +277,10 @@ def safetensors_problem(fd: int, size: int) -> Optional[str]:
             or not 0 <= offsets[0] <= offsets[1]
         ):
             return f"tensor {name!r} has bad data_offsets {offsets!r}"
-        bits = _DTYPE_BITS.get(info.get("dtype"))
+        dtype = info.get("dtype")
+        if not isinstance(dtype, str):
+            return f"tensor {name!r} has a bad dtype {dtype!r}"
+        bits = _DTYPE_BITS.get(dtype)
         shape = info.get("shape")
         if bits is not None and isinstance(shape, list) and all(isinstance(d, int) for d in shape):
             elements = 1

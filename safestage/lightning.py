@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from . import _background, _config, _patch
 from ._api import save_one, save_one_background
 from ._config import UNSET, PathArg
+from ._paths import resolve_destination
 from ._stage import PublishRecord, check_root
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 else:
                     self.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options=storage_options)
 
-        key = os.path.abspath(local)
+        key = _key(local)
         with self._lock:
             self._saving[key] = self._saving.get(key, 0) + 1
         try:
@@ -168,7 +169,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         local = _local_path(path) if path is not None else None
         if local is not None:
             with self._lock:
-                future = self._publishing.get(os.path.abspath(local))
+                future = self._publishing.get(_key(local))
             if future is not None and future.exception() is not None:  # waits
                 self.wait()  # raises the PublishError
         result: dict[str, Any] = self.checkpoint_io.load_checkpoint(*args, **kwargs)
@@ -182,7 +183,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self._this_process()
         local = _local_path(path)
         if local is not None:
-            key = os.path.abspath(local)
+            key = _key(local)
             with self._lock:
                 if self._saving.get(key):
                     self._deferred.add(key)
@@ -244,6 +245,13 @@ def _torch_save(checkpoint: dict[str, Any], stream: Any) -> None:
     import torch
 
     torch.save(checkpoint, stream)
+
+
+def _key(local: str) -> str:
+    """The kernel's path of a checkpoint, so that every spelling of it (a symlinked
+    directory, ``..``) finds the same pending publish, as the publisher keys them."""
+    resolved = resolve_destination(local)
+    return str(resolved) if resolved is not None else os.path.abspath(local)
 
 
 def _local_path(path: Any) -> Optional[str]:
