@@ -63,6 +63,9 @@ class Follower:
         self._changed = threading.Condition()
         self._state = "writing"  # writing -> done | failed
         self._opens = 0
+        self._attached = False  # a reader holds the writer's inode (decided under the lock)
+        self._final: Optional[tuple[int, int]] = None  # (CRC-32, size) of the finished file
+        self._final_error: Optional[str] = None
         self.followed = False  # whether a copy read bytes while the writer was writing
         self.bytes_while_writing = 0  # how many (for the log and the tests)
 
@@ -73,10 +76,49 @@ class Follower:
             self._changed.notify_all()
 
     def fail(self) -> None:
+        """The writer raised, or the save is interrupted (even after ``finish``): the reader
+        raises WriterFailed at its next step and the copy is abandoned."""
         with self._changed:
-            if self._state == "writing":
-                self._state = "failed"
+            self._state = "failed"
             self._changed.notify_all()
+
+    def check_final(self) -> None:
+        """Called by the writer's thread once it returned (and after ``finish``): read the
+        staged file back and publish its CRC-32 for the reader's final comparison. It runs
+        while the publisher copies the tail, so a copy slower than the writer hides it. Not
+        needed, and skipped, when no reader followed the writer (the copy then reads the
+        finished file)."""
+        with self._changed:
+            if not self._attached:
+                return
+        try:
+            result: Optional[tuple[int, int]] = _crc_of(self.staged)
+            error = None
+        except OSError as exc:
+            result, error = None, f"{self.staged} could not be read back: {exc}"
+        with self._changed:
+            self._final, self._final_error = result, error
+            self._changed.notify_all()
+
+    def attach_allowed(self) -> bool:
+        """Under the lock: a reader may follow only while the writer is still writing (the
+        writer's thread then reads the file back when it returns, see check_final)."""
+        with self._changed:
+            if self._state != "writing":
+                return False
+            self._attached = True
+            return True
+
+    def final_crc(self) -> tuple[int, int]:
+        """Wait for check_final's (CRC-32, size) of the finished staged file."""
+        with self._changed:
+            while self._final is None and self._final_error is None:
+                if self._state == "failed":
+                    raise WriterFailed(str(self.staged))
+                self._changed.wait()
+            if self._final is None:
+                raise FollowMismatch(self._final_error or "no read-back")
+            return self._final
 
     # -- the publisher's side -----------------------------------------------------------------
     def state(self) -> str:
@@ -208,14 +250,7 @@ class _FollowReader(Reader):
         return 0
 
     def _verify(self) -> None:
-        crc = 0
-        nbytes = 0
-        with open(self._f.staged, "rb", buffering=0) as staged:
-            buffer = bytearray(_VERIFY_CHUNK)
-            view = memoryview(buffer)
-            while count := staged.readinto(buffer):
-                crc = zlib.crc32(view[:count], crc)
-                nbytes += count
+        crc, nbytes = self._f.final_crc()
         if (crc, nbytes) != (self._crc, self._copied):
             raise FollowMismatch(
                 f"{self._f.staged}: CRC-32 {crc:08x} of {nbytes} bytes read back, "
@@ -256,6 +291,9 @@ class _FollowReader(Reader):
         ):
             os.close(mine)  # the number was reused between the scan and the open
             return False
+        if not self._f.attach_allowed():
+            os.close(mine)  # the writer returned meanwhile: a plain copy of the finished file
+            return False
         self._fd, self._writer_fd, self._ino, self._dev = mine, fd, st.st_ino, st.st_dev
         self._mnt = info["mnt_id"]
         log.debug("follow: following fd %d (inode %d) of %s", fd, st.st_ino, self._f.staged)
@@ -288,3 +326,16 @@ def _fdinfo(fd: int) -> Optional[dict[str, int]]:
     if len(fields) != 4:
         return None
     return fields
+
+
+def _crc_of(path: Path) -> tuple[int, int]:
+    """(CRC-32, size) of a file, read in chunks (zlib releases the GIL on large buffers)."""
+    crc = 0
+    nbytes = 0
+    with open(path, "rb", buffering=0) as handle:
+        buffer = bytearray(_VERIFY_CHUNK)
+        view = memoryview(buffer)
+        while count := handle.readinto(buffer):
+            crc = zlib.crc32(view[:count], crc)
+            nbytes += count
+    return crc, nbytes

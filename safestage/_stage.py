@@ -361,6 +361,7 @@ def write_following(
     item = StagedFile(private, staged, dest, started, time.perf_counter() - started)
     follower.finish()
     try:
+        follower.check_final()  # the read-back CRC, while the publisher copies the tail
         publisher.join()
     except BaseException as exc:  # Ctrl-C: stop the copy (its temp goes) and keep the file
         with deferred():

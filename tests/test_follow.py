@@ -93,6 +93,7 @@ def follow_into_memory(private: Path, write: Callable[[str], None]) -> tuple[lis
             follower.fail()
         else:
             follower.finish()
+            follower.check_final()  # what write_following does once the writer returned
 
     thread = threading.Thread(target=run)
     reader = follower.open()
@@ -203,9 +204,11 @@ def test_writer_failing_mid_file_publishes_nothing_and_removes_the_temp(tmp_path
             time.sleep(0.1)
             temps_seen.extend(n for n in os.listdir(tmp_path) if TEMP_OF_OURS.match(n))
 
-    with safestage.staged(shm_root, follow=True) as stage:
-        with pytest.raises(ValueError, match="mid-file"):
-            save_with(stage, slow_writer(fail_after=5, on_chunk=look), dest)
+    with (
+        safestage.staged(shm_root, follow=True) as stage,
+        pytest.raises(ValueError, match="mid-file"),
+    ):
+        save_with(stage, slow_writer(fail_after=5, on_chunk=look), dest)
     assert temps_seen, "the follower had not started copying: the fault proves nothing"
     assert os.listdir(tmp_path) == []
     assert os.listdir(shm_root) == []
@@ -215,9 +218,8 @@ def test_writer_failing_mid_file_publishes_nothing_and_removes_the_temp(tmp_path
 def test_writer_failing_keeps_the_previous_destination(tmp_path, shm_root):
     dest = tmp_path / "model.safetensors"
     dest.write_bytes(b"previous")
-    with safestage.staged(shm_root, follow=True) as stage:
-        with pytest.raises(ValueError):
-            save_with(stage, slow_writer(fail_after=5), dest)
+    with safestage.staged(shm_root, follow=True) as stage, pytest.raises(ValueError):
+        save_with(stage, slow_writer(fail_after=5), dest)
     assert dest.read_bytes() == b"previous"
     assert os.listdir(tmp_path) == ["model.safetensors"]
 
