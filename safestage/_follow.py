@@ -18,8 +18,12 @@ reused for something else is never taken for the writer. safetensors 0.8 writes 
 
 What that argument assumes (a writer that only appends with write(2), never pwrite/mmap,
 never seeks back to rewrite) is checked, not trusted: once the writer has returned, the
-staged file is read back from the staging root (page cache: cheap) and its CRC-32 compared
-with the CRC-32 of the bytes copied, before the destination is fsync'ed, closed or renamed.
+staged file is read back from the staging root (page cache: cheap) and the CRC-32 of every
+byte the copy read while the writer was still writing is compared with the CRC-32 of the
+same range read back, before the destination is fsync'ed, closed or renamed. (Bytes the copy
+read after the writer had returned are the final bytes by definition: the reader checks the
+writer's state before each read.) The read-back runs in the saving thread, which is idle
+while the copy finishes.
 Any difference, or a final file that is not the inode we followed, aborts this copy (our temp
 is removed) and the complete staged file is published again from scratch.
 """
@@ -64,7 +68,11 @@ class Follower:
         self._state = "writing"  # writing -> done | failed
         self._opens = 0
         self._attached = False  # a reader holds the writer's inode (decided under the lock)
-        self._final: Optional[tuple[int, int]] = None  # (CRC-32, size) of the finished file
+        # Bytes [0, _while_writing) were copied while the writer was writing: only those need
+        # the read-back check (the rest were read after it returned: the final bytes).
+        self._while_writing: Optional[int] = None
+        self._reader_gone = False
+        self._final: Optional[tuple[int, int]] = None  # (CRC-32, length) of that prefix, read back
         self._final_error: Optional[str] = None
         self.followed = False  # whether a copy read bytes while the writer was writing
         self.bytes_while_writing = 0  # how many (for the log and the tests)
@@ -83,21 +91,42 @@ class Follower:
             self._changed.notify_all()
 
     def check_final(self) -> None:
-        """Called by the writer's thread once it returned (and after ``finish``): read the
-        staged file back and publish its CRC-32 for the reader's final comparison. It runs
-        while the publisher copies the tail, so a copy slower than the writer hides it. Not
-        needed, and skipped, when no reader followed the writer (the copy then reads the
-        finished file)."""
+        """Called by the writer's thread once it returned (and after ``finish``): read back
+        the part of the staged file the reader copied while the writer was writing, and
+        publish its CRC-32 for the reader's final comparison. It runs while the publisher
+        copies the tail, so a copy slower than the writer hides it. Skipped when no reader
+        followed the writer (the copy then reads the finished file), and when the publisher
+        is gone (it failed: its copy is abandoned anyway)."""
         with self._changed:
-            if not self._attached:
+            while (
+                self._attached
+                and self._while_writing is None
+                and not self._reader_gone
+                and self._state == "done"
+            ):
+                self._changed.wait()
+            if self._while_writing is None:
                 return
+            length = self._while_writing
         try:
-            result: Optional[tuple[int, int]] = _crc_of(self.staged)
+            result: Optional[tuple[int, int]] = _crc_of(self.staged, length)
             error = None
         except OSError as exc:
             result, error = None, f"{self.staged} could not be read back: {exc}"
         with self._changed:
             self._final, self._final_error = result, error
+            self._changed.notify_all()
+
+    def copied_while_writing(self, length: int) -> None:
+        """The reader saw the writer's return: what it copied before that is ``length`` bytes."""
+        with self._changed:
+            self._while_writing = length
+            self._changed.notify_all()
+
+    def reader_gone(self) -> None:
+        """The publishing thread ends (or never got to read): nobody needs a read-back."""
+        with self._changed:
+            self._reader_gone = True
             self._changed.notify_all()
 
     def attach_allowed(self) -> bool:
@@ -110,7 +139,7 @@ class Follower:
             return True
 
     def final_crc(self) -> tuple[int, int]:
-        """Wait for check_final's (CRC-32, size) of the finished staged file."""
+        """Wait for check_final's (CRC-32, length) of the prefix, read back."""
         with self._changed:
             while self._final is None and self._final_error is None:
                 if self._state == "failed":
@@ -179,7 +208,8 @@ class _FollowReader(Reader):
         self._dev = -1
         self._mnt = -1
         self._copied = 0
-        self._crc = 0
+        self._crc = 0  # of the bytes copied while the writer was writing
+        self._while_writing: Optional[int] = None
         self._final: Optional[int] = None  # the staged file's size once the writer returned
         self._plain: Optional[_PlainReader] = None  # the writer was never found
 
@@ -189,6 +219,7 @@ class _FollowReader(Reader):
             os.close(fd)
         if self._plain is not None:
             self._plain.close()
+        self._f.reader_gone()
 
     def readinto(self, buffer: bytearray) -> int:
         if self._plain is not None:
@@ -209,6 +240,9 @@ class _FollowReader(Reader):
                     self._f.wait(self._f.poll)
                     continue
             if state == "done":
+                if self._while_writing is None:  # from here on every read is of final bytes
+                    self._while_writing = self._copied
+                    self._f.copied_while_writing(self._copied)
                 return self._read_tail(buffer)
             limit = self._writer_position()
             if limit > self._copied:
@@ -225,7 +259,8 @@ class _FollowReader(Reader):
         count = os.preadv(self._fd, [data], self._copied)
         if count <= 0:  # the inode is shorter than the writer's position: cannot be
             raise FollowMismatch(f"{self._f.staged}: short read at {self._copied}")
-        self._crc = zlib.crc32(data[:count], self._crc)
+        if self._while_writing is None:
+            self._crc = zlib.crc32(data[:count], self._crc)
         self._copied += count
         return count
 
@@ -251,10 +286,10 @@ class _FollowReader(Reader):
 
     def _verify(self) -> None:
         crc, nbytes = self._f.final_crc()
-        if (crc, nbytes) != (self._crc, self._copied):
+        if (crc, nbytes) != (self._crc, self._while_writing):
             raise FollowMismatch(
-                f"{self._f.staged}: CRC-32 {crc:08x} of {nbytes} bytes read back, "
-                f"{self._crc:08x} of {self._copied} bytes copied while following"
+                f"{self._f.staged}: CRC-32 {crc:08x} of its first {nbytes} bytes read back, "
+                f"{self._crc:08x} of the {self._while_writing} bytes copied while following"
             )
 
     # -- finding and watching the writer ------------------------------------------------------
@@ -328,14 +363,18 @@ def _fdinfo(fd: int) -> Optional[dict[str, int]]:
     return fields
 
 
-def _crc_of(path: Path) -> tuple[int, int]:
-    """(CRC-32, size) of a file, read in chunks (zlib releases the GIL on large buffers)."""
+def _crc_of(path: Path, length: int) -> tuple[int, int]:
+    """(CRC-32, bytes read) of the first ``length`` bytes of a file, read in chunks (zlib
+    releases the GIL on large buffers)."""
     crc = 0
     nbytes = 0
     with open(path, "rb", buffering=0) as handle:
         buffer = bytearray(_VERIFY_CHUNK)
         view = memoryview(buffer)
-        while count := handle.readinto(buffer):
+        while nbytes < length:
+            count = handle.readinto(view[: min(_VERIFY_CHUNK, length - nbytes)]) or 0
+            if not count:
+                break
             crc = zlib.crc32(view[:count], crc)
             nbytes += count
     return crc, nbytes

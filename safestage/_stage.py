@@ -338,6 +338,8 @@ def write_following(
             ))  # fmt: skip
         except BaseException as exc:  # handed to the saving thread
             outcome.append(exc)
+        finally:
+            follower.reader_gone()  # a failed publish never asks for the read-back
 
     publisher = threading.Thread(target=publish, name="safestage-follow", daemon=True)
     publisher.start()

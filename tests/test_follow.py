@@ -307,3 +307,29 @@ def test_follow_strategy_decisions(tmp_path, shm_root):
     direct = safestage.staged(shm_root, follow=True, publish="direct").settings
     assert _stage.follow_strategy(direct, new, area) == "direct"
     assert _stage.follow_strategy(direct, old, area) is None
+
+
+def test_a_failed_follow_copy_falls_back_to_a_plain_publish(tmp_path, shm_root, caplog, monkeypatch):
+    """The followed copy fails mid-way (an I/O error reading the staged side): the saving
+    thread must not wait for a read-back nobody needs, and the complete file is published
+    the ordinary way."""
+    dest = tmp_path / "model.safetensors"
+    fired: list[int] = []
+    real_read = _follow._FollowReader._read
+
+    def failing(self: _follow._FollowReader, buffer: bytearray, limit: int) -> int:
+        if self._copied >= 2 * CHUNK:
+            fired.append(self._copied)
+            raise OSError(5, "injected read error")
+        return real_read(self, buffer, limit)
+
+    monkeypatch.setattr(_follow._FollowReader, "_read", failing)
+    with safestage.staged(shm_root, follow=True) as stage:
+        save_with(stage, slow_writer(), dest)
+    assert fired, "the fault did not fire"
+    assert dest.read_bytes() == expected_bytes()
+    assert [r.strategy for r in stage.records] == ["replace"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("injected read error" in w for w in warnings), warnings
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+    assert os.listdir(shm_root) == []
