@@ -345,7 +345,7 @@ class _FollowReader(Reader):
 
 def _fdinfo(fd: int) -> Optional[dict[str, int]]:
     """pos, flags (octal in the file), mnt_id and ino of one of our descriptors; None if it is
-    closed or the kernel does not report the inode (Linux < 5.14): then we do not follow."""
+    closed or the kernel does not report the inode (older kernels): then we do not follow."""
     try:
         with open(f"/proc/self/fdinfo/{fd}", "rb", buffering=0) as handle:
             text = handle.read(4096)
