@@ -195,6 +195,13 @@ def run_overhead(spec: dict[str, Any]) -> dict[str, Any]:
         ):
             with safestage.staged(spec["xdev_root"], **options):
                 out[label] = _per_call_ns(lambda: save_file(small, target), saves, repeat=5)
+        if spec.get("follow_too"):  # issue 13: what following costs a tiny save (a thread, /proc scans)
+            for label, options in (
+                ("save_1KiB_staged_replace_follow_nofsync_ns", {"fsync": False, "follow": True}),
+                ("save_1KiB_staged_replace_follow_fsync_ns", {"fsync": True, "follow": True}),
+            ):
+                with safestage.staged(spec["xdev_root"], **options):
+                    out[label] = _per_call_ns(lambda: save_file(small, target), saves, repeat=5)
     os.unlink(target)
     return {"ok": True, "overhead": out}
 

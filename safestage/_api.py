@@ -29,8 +29,10 @@ from ._stage import (
     PublishRecord,
     StagedFile,
     StagingArea,
+    follow_strategy,
     keep_unpublished,
     publish_staged,
+    write_following,
     write_staged,
     write_unstaged,
 )
@@ -187,8 +189,18 @@ class Stage(contextlib.ContextDecorator):
         if self.settings.when == "auto" and is_local_disk(dest.parent):
             self._record(write_unstaged(serialize, dest, self.settings))
             return
+        background = self._publishes_in_background()
+        if not background and follow_strategy(self.settings, dest, area) is not None:
+            _background.settle(dest)  # an earlier background publish of it lands first
+            try:
+                record = write_following(serialize, dest, area, self.settings)
+            except (PublishError, StagingError) as exc:
+                as_error(exc)  # callers catch SafetensorError today (issue 9)
+                raise
+            self._record(record)
+            return
         item = write_staged(serialize, dest, area)
-        if not self._publishes_in_background():
+        if not background:
             _background.settle(dest)  # an earlier background publish of it lands first
             self._publish(item, area, as_error)
             return
@@ -251,6 +263,7 @@ def staged(
     max_pending: Any = UNSET,
     when: Any = UNSET,
     torch_save: Any = UNSET,
+    follow: Any = UNSET,
 ) -> Stage:
     """Stage every safetensors save made inside the block (or the decorated function).
 
@@ -261,7 +274,9 @@ def staged(
     once; the block's end waits for them. ``when="auto"`` writes destinations on local disk
     directly (no staging) and stages the rest. ``torch_save=True`` also stages
     ``torch.save(obj, path)`` (file objects pass through); it patches ``torch.save`` while the
-    block runs. Arguments beat SAFESTAGE_* variables.
+    block runs. ``follow=True`` publishes a synchronous copy (replace, or direct to a new
+    file) while the writer is still writing it, checked by CRC-32 before it is committed
+    (docs/speed.md). Arguments beat SAFESTAGE_* variables.
     Options are checked here (ConfigError); the staging root when the block starts
     (StagingError).
     """
@@ -274,6 +289,7 @@ def staged(
             max_pending=max_pending,
             when=when,
             torch_save=torch_save,
+            follow=follow,
         )
     )
 
@@ -287,6 +303,7 @@ def activate(
     max_pending: Any = UNSET,
     when: Any = UNSET,
     torch_save: Any = UNSET,
+    follow: Any = UNSET,
 ) -> Stage:
     """Like ``staged()``, already entered: call ``.close()`` on the handle to end it."""
     return staged(
@@ -297,6 +314,7 @@ def activate(
         max_pending=max_pending,
         when=when,
         torch_save=torch_save,
+        follow=follow,
     )._open()
 
 

@@ -28,6 +28,7 @@ ENV_BACKGROUND = "SAFESTAGE_BACKGROUND"
 ENV_MAX_PENDING = "SAFESTAGE_MAX_PENDING"
 ENV_WHEN = "SAFESTAGE_WHEN"
 ENV_TORCH_SAVE = "SAFESTAGE_TORCH_SAVE"
+ENV_FOLLOW = "SAFESTAGE_FOLLOW"
 
 WHEN_CHOICES = ("always", "auto")
 
@@ -55,6 +56,8 @@ class Settings:
     when: str = "always"  # "auto": local-disk destinations use the original writer unstaged
     # Also stage torch.save(obj, path): a patch of a torch module global, so opt-in (README).
     torch_save: bool = False
+    # Synchronous replace/direct saves: publish while the writer is still writing (_follow).
+    follow: bool = False
 
     def staging_root(self) -> Path:
         return self.root if self.root is not None else default_root()
@@ -145,6 +148,7 @@ def resolve(
     max_pending: Any = UNSET,
     when: Any = UNSET,
     torch_save: Any = UNSET,
+    follow: Any = UNSET,
     environ: Optional[Mapping[str, str]] = None,
 ) -> Settings:
     """Merge explicit arguments over the environment over the defaults.
@@ -181,6 +185,7 @@ def resolve(
             else parse_when(env_value(env, ENV_WHEN) or "always", ENV_WHEN)
         ),
         torch_save=_flag(torch_save, "torch_save", env, ENV_TORCH_SAVE, default=False),
+        follow=_flag(follow, "follow", env, ENV_FOLLOW, default=False),
     )
 
 

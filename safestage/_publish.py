@@ -32,9 +32,10 @@ import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Union
 
 from ._errors import PublishError
+from ._follow import Follower, Reader
 from ._interrupts import deferred
 from ._locks import Contended, claim, close_quietly
 from ._mounts import capabilities, filesystem_key
@@ -187,8 +188,10 @@ def copy_to_new_file(
     prepare: Optional[Callable[[int], None]] = None,
     before_create: Optional[Callable[[], None]] = None,
     digest: Optional[Digest] = None,
+    follow: Optional[Follower] = None,
 ) -> int:
     """Copy ``source`` into ``target`` opened with ``flags``; checked fsync, close and size.
+    With ``follow``, read ``source`` while its writer is still writing it (see _follow).
 
     Sequential writes only, from one reusable buffer: memory stays at ``chunk_bytes`` whatever
     the file size. ``prepare(fd)`` runs right after the open. ``digest``, if given, is updated
@@ -196,21 +199,32 @@ def copy_to_new_file(
     _StepFailed naming the step that failed. Whatever is raised (KeyboardInterrupt too), the
     target's descriptor is closed before it propagates; removing the target is the caller's.
     """
-    # The source is opened first: once a publish has begun, a tmp cleaner emptying the
-    # staging root cannot take the data from under it (the open file outlives the unlink).
-    try:
-        src = open(source, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
-    except OSError as exc:
-        raise _StepFailed("read", exc, source) from exc
-    with src:
+    if follow is not None:  # the writer is still writing: read behind it (_follow)
+        reader = follow.open()
         try:
-            expected = os.fstat(src.fileno()).st_size
+            if before_create is not None:
+                before_create()
+            copied = _copy_from(reader, source, -1, target, flags=flags, mode=mode, fsync=fsync,
+                                chunk_bytes=chunk_bytes, prepare=prepare, digest=digest)  # fmt: skip
+        finally:
+            reader.close()
+        expected = reader.expected
+    else:
+        # The source is opened first: once a publish has begun, a tmp cleaner emptying the
+        # staging root cannot take the data from under it (the open file outlives the unlink).
+        try:
+            src = open(source, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
         except OSError as exc:
             raise _StepFailed("read", exc, source) from exc
-        if before_create is not None:
-            before_create()
-        copied = _copy_from(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
-                            chunk_bytes=chunk_bytes, prepare=prepare, digest=digest)  # fmt: skip
+        with src:
+            try:
+                expected = os.fstat(src.fileno()).st_size
+            except OSError as exc:
+                raise _StepFailed("read", exc, source) from exc
+            if before_create is not None:
+                before_create()
+            copied = _copy_from(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
+                                chunk_bytes=chunk_bytes, prepare=prepare, digest=digest)  # fmt: skip
     try:
         size = os.stat(target).st_size
     except OSError as exc:
@@ -222,7 +236,7 @@ def copy_to_new_file(
 
 
 def _copy_from(
-    src: io.FileIO,
+    src: Union[io.FileIO, Reader],
     source: Path,
     expected: int,
     target: Path,
@@ -247,13 +261,14 @@ def _copy_from(
             prepare(out_fd)
         _match_mode(out_fd, mode)
         step = "write"
-        if hasattr(os, "posix_fadvise"):
+        if hasattr(os, "posix_fadvise") and isinstance(src, io.FileIO):
             os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        buffer = bytearray(min(chunk_bytes, max(expected, 1)))
+        # expected < 0: a followed file, whose size is known only at its end
+        buffer = bytearray(chunk_bytes if expected < 0 else min(chunk_bytes, max(expected, 1)))
         view = memoryview(buffer)
         while True:
             try:
-                count = src.readinto(buffer)
+                count = src.readinto(buffer) or 0
             except OSError as exc:  # the staging side failed, not the destination
                 raise _StepFailed("read", exc, source) from exc
             if not count:
@@ -320,6 +335,7 @@ def publish_file(
     staging_device: Optional[int],
     sync_directory: bool = True,
     digest: Optional[Callable[[], Digest]] = None,
+    follow: Optional[Follower] = None,
 ) -> Published:
     """Publish ``staged`` to ``dest``. On failure raise PublishError; ``staged`` is kept.
 
@@ -330,7 +346,12 @@ def publish_file(
     ``digest``: a factory of Digest objects (``hashlib.sha256``); the result's ``digest`` is
     then the hexdigest of exactly the bytes published, computed while copying them (a fresh
     object per copy attempt). ``rename`` copies nothing, so it reads the staged file once.
+
+    ``follow``: ``staged`` is still being written; the copy reads behind its writer (_follow).
+    Never with rename (``staging_device`` must be None): a rename needs the whole file.
     """
+    if follow is not None and staging_device is not None:
+        raise ValueError("publish_file(follow=...) copies: pass staging_device=None")
     started = time.perf_counter()
     directory = dest.parent
     try:
@@ -358,7 +379,7 @@ def publish_file(
 
     if strategy == "replace":
         try:
-            nbytes, hexdigest = _replace(staged, dest, mode=mode, fsync=fsync, digest=digest)
+            nbytes, hexdigest = _replace(staged, dest, mode=mode, fsync=fsync, digest=digest, follow=follow)
             if fsync and sync_directory:
                 fsync_directory(directory)
             return Published("replace", nbytes, time.perf_counter() - started, hexdigest)
@@ -377,7 +398,7 @@ def publish_file(
 
     try:
         nbytes, hexdigest = _direct(
-            staged, dest, mode=mode, fsync=fsync, previous=previous, digest=digest
+            staged, dest, mode=mode, fsync=fsync, previous=previous, digest=digest, follow=follow
         )
     except _StepFailed as failed:
         raise _publish_error(failed, dest, staged, "direct", existed=existed) from failed.error
@@ -395,6 +416,16 @@ def _digest_file(path: Path, digest: Digest, chunk_bytes: int = CHUNK_BYTES) -> 
     except OSError as exc:
         raise _StepFailed("read", exc, path) from exc
     return digest.hexdigest()
+
+
+def planned_strategy(publish: str, dest: Path, staging_device: Optional[int]) -> Optional[str]:
+    """The strategy publish_file would choose for ``dest`` now (None: cannot tell, the
+    directory is not there); the rename probe runs here if it has not yet."""
+    try:
+        dest_device = os.stat(dest.parent).st_dev
+    except OSError:
+        return None
+    return _choose(publish, dest.parent, dest_device, staging_device)
 
 
 def _choose(publish: str, directory: Path, dest_device: int, staging_device: Optional[int]) -> str:
@@ -466,7 +497,13 @@ def _remember_direct(key: Hashable, directory: Path, error: OSError) -> None:
 
 
 def _replace(
-    staged: Path, dest: Path, *, mode: int, fsync: bool, digest: Optional[Callable[[], Digest]]
+    staged: Path,
+    dest: Path,
+    *,
+    mode: int,
+    fsync: bool,
+    digest: Optional[Callable[[], Digest]],
+    follow: Optional[Follower] = None,
 ) -> tuple[int, Optional[str]]:
     """Copy into a fresh hidden sibling, then os.replace it over ``dest``. Our temp never
     outlives the call, whatever is raised (a KeyboardInterrupt mid-copy included).
@@ -483,7 +520,7 @@ def _replace(
         try:
             nbytes = copy_to_new_file(
                 staged, temp, flags=os.O_CREAT | os.O_EXCL, mode=mode, fsync=fsync,
-                prepare=functools.partial(_lock_temp, temp), digest=hasher,
+                prepare=functools.partial(_lock_temp, temp), digest=hasher, follow=follow,
             )  # fmt: skip
             try:
                 os.replace(temp, dest)
@@ -535,13 +572,14 @@ def _direct(
     fsync: bool,
     previous: Optional[os.stat_result],
     digest: Optional[Callable[[], Digest]],
+    follow: Optional[Follower] = None,
 ) -> tuple[int, Optional[str]]:
     """Write the final name itself: for destinations that cannot rename (#792). One direct
     publish of a given file at a time in this process: two would interleave their bytes."""
     with _direct_lock(dest):
         hasher = digest() if digest is not None else None
         nbytes = _direct_locked(
-            staged, dest, mode=mode, fsync=fsync, previous=previous, digest=hasher
+            staged, dest, mode=mode, fsync=fsync, previous=previous, digest=hasher, follow=follow
         )
         return nbytes, hasher.hexdigest() if hasher is not None else None
 
@@ -554,6 +592,7 @@ def _direct_locked(
     fsync: bool,
     previous: Optional[os.stat_result],
     digest: Optional[Digest],
+    follow: Optional[Follower] = None,
 ) -> int:
     is_link = os.path.islink(dest)
     if previous is not None and not is_link:
@@ -565,7 +604,7 @@ def _direct_locked(
     try:
         nbytes = copy_to_new_file(
             staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=_regular_and_blocking,
-            before_create=aside.clear_the_name, digest=digest,
+            before_create=aside.clear_the_name, digest=digest, follow=follow,
         )  # fmt: skip
     except BaseException as exc:
         with deferred():

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +21,13 @@ from typing import Callable, Optional
 
 from ._config import Settings
 from ._errors import StagingError
+from ._follow import Follower
 from ._interrupts import deferred
 from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
 from ._names import stage_dir_name, staged_name
 from ._paths import real_directory
-from ._publish import fsync_directory, publish_file, wanted_mode
+from ._publish import Published, fsync_directory, planned_strategy, publish_file, wanted_mode
 
 log = logging.getLogger("safestage")
 
@@ -299,6 +301,101 @@ def write_staged(write: Callable[[str], None], dest: Path, area: StagingArea) ->
             raise translated from exc
         raise
     return StagedFile(private, staged, dest, started, time.perf_counter() - started)
+
+
+def follow_strategy(settings: Settings, dest: Path, area: StagingArea) -> Optional[str]:
+    """The strategy a followed save of ``dest`` would publish with, or None where following
+    does not apply: a rename (same filesystem) needs the whole file, and direct follows only
+    a new file (a writer failing mid-file must never cost the previous one its bytes)."""
+    if not settings.follow:
+        return None
+    strategy = planned_strategy(settings.publish, dest, area.device)
+    if strategy == "replace":
+        return strategy
+    if strategy == "direct" and not os.path.lexists(dest):
+        return strategy
+    return None
+
+
+def write_following(
+    write: Callable[[str], None], dest: Path, area: StagingArea, settings: Settings
+) -> PublishRecord:
+    """Serialize into a private directory as write_staged does, while a thread publishes the
+    file behind the writer (_follow). If the followed copy cannot be proved equal to the
+    staged file, or fails, the complete staged file is published again the ordinary way.
+    A writer's error removes the partial copy (and the staged file) and reaches the caller."""
+    started = time.perf_counter()
+    private = area.new_private_dir()
+    staged = private / staged_name(dest.name)
+    follower = Follower(private.path, staged)
+    outcome: list[object] = []
+
+    def publish() -> None:
+        try:
+            outcome.append(publish_file(
+                staged, dest, publish=settings.publish, fsync=settings.fsync, staging_device=None,
+                sync_directory=False, follow=follower,
+            ))  # fmt: skip
+        except BaseException as exc:  # handed to the saving thread
+            outcome.append(exc)
+        finally:
+            follower.reader_gone()  # a failed publish never asks for the read-back
+
+    publisher = threading.Thread(target=publish, name="safestage-follow", daemon=True)
+    publisher.start()
+    try:
+        write(str(staged))
+        if not staged.is_file():
+            raise StagingError(
+                errno.ENOENT,
+                f"safestage: the writer returned but left no file at {staged}; nothing was published to {dest}.",
+                str(staged),
+            )
+    except BaseException as exc:
+        with deferred():
+            follower.fail()
+            publisher.join()  # removes its partial copy
+            private.remove()
+        translated = _staging_failure(exc, staged, area.root)
+        if translated is not None:
+            raise translated from exc
+        raise
+    item = StagedFile(private, staged, dest, started, time.perf_counter() - started)
+    follower.finish()
+    try:
+        follower.check_final()  # the read-back CRC, while the publisher copies the tail
+        publisher.join()
+    except BaseException as exc:  # Ctrl-C: stop the copy (its temp goes) and keep the file
+        with deferred():
+            follower.fail()
+            publisher.join()
+        keep_unpublished(item, exc)
+        raise
+    result = outcome[0] if outcome else None
+    if not isinstance(result, Published):
+        log.warning(
+            "%s: the copy made while serializing could not be used (%s: %s); publishing the "
+            "complete staged file", dest, type(result).__name__, result,
+        )  # fmt: skip
+        return publish_staged(item, settings, area, copy=True)
+    item.private.remove()
+    if settings.fsync and result.strategy == "replace":
+        fsync_directory(dest.parent)
+    done = time.perf_counter()
+    record = PublishRecord(
+        destination=dest,
+        bytes=result.nbytes,
+        strategy=result.strategy,
+        seconds=done - started,
+        serialize_seconds=item.serialize_seconds,
+        publish_seconds=done - started - item.serialize_seconds,
+    )
+    log.debug(
+        "%s: %d bytes, serialize %.3fs, %s followed (%d bytes while writing), %.3fs more",
+        dest, record.bytes, record.serialize_seconds, record.strategy,
+        follower.bytes_while_writing, record.publish_seconds,
+    )  # fmt: skip
+    return record
 
 
 def publish_staged(
