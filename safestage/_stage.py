@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ._config import Settings
-from ._errors import StagingError
-from ._follow import Follower
+from ._errors import PublishError, StagingError
+from ._follow import Follower, FollowMismatch, WriterFailed
 from ._interrupts import deferred
 from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
@@ -305,16 +305,14 @@ def write_staged(write: Callable[[str], None], dest: Path, area: StagingArea) ->
 
 def follow_strategy(settings: Settings, dest: Path, area: StagingArea) -> Optional[str]:
     """The strategy a followed save of ``dest`` would publish with, or None where following
-    does not apply: a rename (same filesystem) needs the whole file, and direct follows only
-    a new file (a writer failing mid-file must never cost the previous one its bytes)."""
+    does not apply. Only ``replace``: its temp is ours alone (O_EXCL), so a writer failing
+    mid-file costs nothing but that temp. A rename needs the whole file, and ``direct``
+    writes the final name, which another save may publish between any check made here and
+    the open (a failed followed write would then delete that save's file)."""
     if not settings.follow:
         return None
     strategy = planned_strategy(settings.publish, dest, area.device)
-    if strategy == "replace":
-        return strategy
-    if strategy == "direct" and not os.path.lexists(dest):
-        return strategy
-    return None
+    return strategy if strategy == "replace" else None
 
 
 def write_following(
@@ -329,6 +327,10 @@ def write_following(
     staged = private / staged_name(dest.name)
     follower = Follower(private.path, staged)
     outcome: list[object] = []
+    # Waited on instead of Thread.join(): on CPython 3.11 a join() that a KeyboardInterrupt
+    # cuts short can mark the live thread as stopped, and the next join() returns at once
+    # (bpo-45274; the same reason as _commit._Work).
+    finished = threading.Event()
 
     def publish() -> None:
         try:
@@ -340,9 +342,11 @@ def write_following(
             outcome.append(exc)
         finally:
             follower.reader_gone()  # a failed publish never asks for the read-back
+            finished.set()
 
     publisher = threading.Thread(target=publish, name="safestage-follow", daemon=True)
     publisher.start()
+    item: Optional[StagedFile] = None
     try:
         write(str(staged))
         if not staged.is_file():
@@ -351,27 +355,36 @@ def write_following(
                 f"safestage: the writer returned but left no file at {staged}; nothing was published to {dest}.",
                 str(staged),
             )
-    except BaseException as exc:
-        with deferred():
-            follower.fail()
-            publisher.join()  # removes its partial copy
-            private.remove()
-        translated = _staging_failure(exc, staged, area.root)
-        if translated is not None:
-            raise translated from exc
-        raise
-    item = StagedFile(private, staged, dest, started, time.perf_counter() - started)
-    follower.finish()
-    try:
+        item = StagedFile(private, staged, dest, started, time.perf_counter() - started)
+        follower.finish()
         follower.check_final()  # the read-back CRC, while the publisher copies the tail
-        publisher.join()
-    except BaseException as exc:  # Ctrl-C: stop the copy (its temp goes) and keep the file
+        finished.wait()
+    except BaseException as exc:
+        # Every way out stops and joins the publisher first: no thread may go on copying
+        # (or hold the destination's lock) after this save has returned.
         with deferred():
             follower.fail()
-            publisher.join()
-        keep_unpublished(item, exc)
+            finished.wait()  # the publisher removes its partial copy
+        if item is None:  # the writer failed, or was interrupted: nothing to keep
+            with deferred():
+                private.remove()
+            translated = _staging_failure(exc, staged, area.root)
+            if translated is not None:
+                raise translated from exc
+            raise
+        if outcome and isinstance(outcome[0], Published):
+            # Interrupted after the copy had committed: the save is published; nothing kept.
+            with deferred():
+                item.private.remove()
+            raise
+        keep_unpublished(item, exc)  # Ctrl-C mid-copy: the complete file stays, named
         raise
     result = outcome[0] if outcome else None
+    if isinstance(result, PublishError) and _destination_failed(result):
+        # The destination itself failed (EIO at close, ENOSPC, ...): the same failure as an
+        # ordinary publish would meet, not a reason to copy everything again.
+        keep_unpublished(item, result)
+        raise result
     if not isinstance(result, Published):
         log.warning(
             "%s: the copy made while serializing could not be used (%s: %s); publishing the "
@@ -396,6 +409,13 @@ def write_following(
         follower.bytes_while_writing, record.publish_seconds,
     )  # fmt: skip
     return record
+
+
+def _destination_failed(error: PublishError) -> bool:
+    """Whether a followed publish failed at the destination, not in following the writer
+    (a mismatch, a writer that failed, a read of the staging file: those fall back)."""
+    cause = error.__cause__
+    return getattr(error, "step", None) != "read" and not isinstance(cause, (FollowMismatch, WriterFailed))
 
 
 def publish_staged(

@@ -284,14 +284,14 @@ def test_real_safetensors_saves_followed_onto_the_kit(kit_dir, shm_root, caplog)
     dest = kit_dir / "model.safetensors"
     caplog.set_level(logging.DEBUG, logger="safestage")
     with safestage.staged(shm_root, follow=True) as stage:
-        save_file(big, str(dest))  # new file: followed (replace on hdfs, direct on mountpoint)
-        save_file({k: v + 1 for k, v in big.items()}, str(dest))  # existing: direct is not followed
+        save_file(big, str(dest))  # replace (hdfs) is followed; direct (mountpoint) never is
+        save_file({k: v + 1 for k, v in big.items()}, str(dest))
     loaded = load_file(str(dest))
     assert all(torch.equal(loaded[k], big[k] + 1) for k in big)
     assert os.listdir(kit_dir) == ["model.safetensors"]
     assert os.listdir(shm_root) == []
     followed = [r for r in caplog.records if "followed (" in r.getMessage()]
-    expected = 2 if stage.records[0].strategy == "replace" else 1
+    expected = 2 if stage.records[0].strategy == "replace" else 0
     assert len(followed) == expected, [r.getMessage() for r in followed]
 
 
@@ -305,7 +305,9 @@ def test_follow_strategy_decisions(tmp_path, shm_root):
     assert _stage.follow_strategy(off, new, area) is None
     assert _stage.follow_strategy(on, new, area) == "replace"
     direct = safestage.staged(shm_root, follow=True, publish="direct").settings
-    assert _stage.follow_strategy(direct, new, area) == "direct"
+    # direct writes the final name, which another save may publish meanwhile: never followed
+    # (test_review4_findings: a failed followed direct save deleted another save's file).
+    assert _stage.follow_strategy(direct, new, area) is None
     assert _stage.follow_strategy(direct, old, area) is None
 
 
