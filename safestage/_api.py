@@ -180,10 +180,12 @@ class Stage(contextlib.ContextDecorator):
         dest: Path,
         *,
         as_error: Callable[[BaseException], BaseException] = as_safetensors_error,
+        needs: Optional[int] = None,
     ) -> None:
         """One save of any writer: ``serialize(path)`` writes the file; ``as_error`` gives
         safestage's errors the class that writer's callers catch (SafetensorError for
-        safetensors, RuntimeError for torch.save)."""
+        safetensors, RuntimeError for torch.save); ``needs``, the file's size if known,
+        lets a staging root that cannot hold it refuse before anything is written."""
         area = self._area
         assert area is not None, "a Stage saves only while open"
         if self.settings.when == "auto" and is_local_disk(dest.parent):
@@ -193,13 +195,13 @@ class Stage(contextlib.ContextDecorator):
         if not background and follow_strategy(self.settings, dest, area) is not None:
             _background.settle(dest)  # an earlier background publish of it lands first
             try:
-                record = write_following(serialize, dest, area, self.settings)
+                record = write_following(serialize, dest, area, self.settings, needs=needs)
             except (PublishError, StagingError) as exc:
                 as_error(exc)  # callers catch SafetensorError today (issue 9)
                 raise
             self._record(record)
             return
-        item = write_staged(serialize, dest, area)
+        item = write_staged(serialize, dest, area, needs=needs)
         if not background:
             _background.settle(dest)  # an earlier background publish of it lands first
             self._publish(item, area, as_error)

@@ -376,12 +376,34 @@ def _staging_wrapper(
 
     try:
         with bypass():  # a wrapper over ours, calling back into us, must not stage twice
-            return stage._save(serialize, dest)
+            return stage._save(serialize, dest, needs=_payload_bytes(args, kwargs))
     except (PublishError, StagingError) as exc:
         as_safetensors_error(exc)  # still caught by `except SafetensorError` (issue 9)
         raise
     finally:
         stage._end_save()
+
+
+def _payload_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
+    """The tensor bytes a serialize_file call will write (the header adds a little), from
+    safetensors 0.8's TensorSpec.data_len or 0.4-0.7's {"data": bytes} specs; None if the
+    specs say nothing (the write itself then finds out)."""
+    specs = args[0] if args else kwargs.get("tensor_dict")
+    if not isinstance(specs, dict):
+        return None
+    total = 0
+    try:
+        for spec in specs.values():
+            size = getattr(spec, "data_len", None)
+            if size is None and isinstance(spec, dict):
+                data = spec.get("data")
+                size = len(data) if data is not None else None
+            if not isinstance(size, int):
+                return None
+            total += size
+    except Exception:  # an unexpected spec type: no estimate, never a failed save
+        return None
+    return total
 
 
 def _torch_save_wrapper(

@@ -91,6 +91,31 @@ class StagingArea:
             raise _root_error(self.root, exc, "inspect") from exc
         _sweep_dead(self.root)
 
+    def check_room(self, nbytes: Optional[int], dest: Path) -> None:
+        """Refuse a save of about ``nbytes`` that cannot fit in the root, before anything is
+        written: serializing a 5 GB shard into a root with 2 GB free only to fail at the end
+        wastes minutes. Best effort: no size, or no statvfs, and the write itself decides
+        (a real ENOSPC then gives the same error)."""
+        if not nbytes:
+            return
+        try:
+            info = os.statvfs(self.root)
+        except OSError:
+            return
+        # root may use the blocks ext4 reserves for it; everyone else only the available ones
+        blocks = info.f_bfree if os.geteuid() == 0 else info.f_bavail
+        free = blocks * info.f_frsize
+        if nbytes <= free:
+            return
+        raise StagingError(
+            errno.ENOSPC,
+            f"safestage could not stage {dest}: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: "
+            f"it needs {nbytes} bytes in the staging root {self.root}, which has {free} free. The "
+            "staging root is full: point staged(root) or SAFESTAGE_DIR at a local disk with room "
+            "for the largest shard. Nothing was written; the destination was not touched.",
+            str(self.root),
+        )
+
     def new_private_dir(self) -> PrivateDir:
         for _ in range(100):
             candidate = self.root / stage_dir_name()
@@ -277,13 +302,17 @@ class StagedFile:
         return os.stat(self.path).st_size
 
 
-def write_staged(write: Callable[[str], None], dest: Path, area: StagingArea) -> StagedFile:
+def write_staged(
+    write: Callable[[str], None], dest: Path, area: StagingArea, *, needs: Optional[int] = None
+) -> StagedFile:
     """Run ``write(local_path)`` into a fresh private directory; clean up if it fails.
 
-    An I/O failure inside the staging root (full, removed) becomes a StagingError; any other
-    error of the writer (bad tensors) reaches the caller unchanged.
+    ``needs``: the file's size if known (StagingArea.check_room). An I/O failure inside the
+    staging root (full, removed) becomes a StagingError; any other error of the writer (bad
+    tensors) reaches the caller unchanged.
     """
     started = time.perf_counter()
+    area.check_room(needs, dest)
     private = area.new_private_dir()
     staged = private / staged_name(dest.name)
     try:
@@ -316,13 +345,19 @@ def follow_strategy(settings: Settings, dest: Path, area: StagingArea) -> Option
 
 
 def write_following(
-    write: Callable[[str], None], dest: Path, area: StagingArea, settings: Settings
+    write: Callable[[str], None],
+    dest: Path,
+    area: StagingArea,
+    settings: Settings,
+    *,
+    needs: Optional[int] = None,
 ) -> PublishRecord:
     """Serialize into a private directory as write_staged does, while a thread publishes the
     file behind the writer (_follow). If the followed copy cannot be proved equal to the
     staged file, or fails, the complete staged file is published again the ordinary way.
     A writer's error removes the partial copy (and the staged file) and reaches the caller."""
     started = time.perf_counter()
+    area.check_room(needs, dest)
     private = area.new_private_dir()
     staged = private / staged_name(dest.name)
     follower = Follower(private.path, staged)

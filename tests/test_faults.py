@@ -104,6 +104,50 @@ def ro_tmpfs(tmp_path: Path) -> Iterator[Path]:
 # -- ENOSPC -------------------------------------------------------------------------------------
 
 
+def test_a_save_that_cannot_fit_is_refused_before_anything_is_written(small_tmpfs, tmp_path, monkeypatch):
+    """The tensors' size is known before serializing (TensorSpec.data_len): a 2.7 MiB save
+    into a 2 MiB root is refused at once, not after writing 2 MiB of it."""
+    from safestage import _stage
+
+    made: list[Path] = []
+    real_new = _stage.StagingArea.new_private_dir
+
+    def spy(self: _stage.StagingArea) -> Any:
+        made.append(self.root)
+        return real_new(self)
+
+    monkeypatch.setattr(_stage.StagingArea, "new_private_dir", spy)
+    dest = tmp_path / "model.safetensors"
+    with pytest.raises(StagingError) as info, safestage.staged(small_tmpfs):
+        save_file(BIG, str(dest))
+    error = info.value
+    assert error.errno == errno.ENOSPC and error.filename == str(small_tmpfs)
+    needed = BIG["w"].numel() * 4
+    assert f"needs {needed} bytes" in str(error) and "SAFESTAGE_DIR" in str(error), str(error)
+    assert made == [], "nothing may be written once the size is known not to fit"
+    assert not dest.exists() and listing(small_tmpfs) == []
+
+
+def test_a_save_the_estimate_lets_through_still_fails_cleanly_at_a_real_enospc(small_tmpfs, tmp_path):
+    """The estimate counts the tensors, not the header or the filesystem's rounding: a root
+    left with exactly the tensors' bytes free passes the check, and the real ENOSPC of the
+    write is the StagingError then (the same message, from the tmpfs itself)."""
+    tensors = {"w": torch.zeros(64 * 1024)}  # 256 KiB of data: a whole number of pages
+    needed = 64 * 1024 * 4
+    info = os.statvfs(small_tmpfs)
+    filler = info.f_bfree * info.f_frsize - needed
+    (small_tmpfs / "filler").write_bytes(b"\0" * filler)
+    info = os.statvfs(small_tmpfs)
+    assert info.f_bfree * info.f_frsize == needed  # the check will pass
+    dest = tmp_path / "model.safetensors"
+    with pytest.raises(StagingError) as caught, safestage.staged(small_tmpfs):
+        save_file(tensors, str(dest))
+    error = caught.value
+    assert error.errno == errno.ENOSPC
+    assert "needs" not in str(error) and "could not serialize into staging file" in str(error), str(error)
+    assert not dest.exists() and listing(small_tmpfs) == ["filler"]
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_full_staging_root_is_a_staging_error_and_the_destination_is_untouched(
     small_tmpfs, tmp_path, background
@@ -116,7 +160,7 @@ def test_full_staging_root_is_a_staging_error_and_the_destination_is_untouched(
     with pytest.raises(StagingError) as info, safestage.staged(small_tmpfs, background=background):
         save_file(BIG, str(dest))  # serialization stays synchronous even with background=True
     error = info.value
-    assert isinstance(error, OSError) and error.errno == errno.ENOSPC  # the real tmpfs said so
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC  # the real tmpfs's statvfs
     assert error.filename is not None and Path(error.filename).is_relative_to(small_tmpfs)
     assert_one_line_message(error, str(small_tmpfs), "[Errno 28]", "SAFESTAGE_DIR", "not touched")
     old.assert_intact()
