@@ -302,6 +302,18 @@ class StagedFile:
         return os.stat(self.path).st_size
 
 
+def _write_checked(write: Callable[[str], None], staged: Path, dest: Path) -> None:
+    """Run the writer into ``staged``; a writer that returns without leaving a file there
+    is an error, never an empty publish."""
+    write(str(staged))
+    if not staged.is_file():
+        raise StagingError(
+            errno.ENOENT,
+            f"safestage: the writer returned but left no file at {staged}; nothing was published to {dest}.",
+            str(staged),
+        )
+
+
 def write_staged(
     write: Callable[[str], None], dest: Path, area: StagingArea, *, needs: Optional[int] = None
 ) -> StagedFile:
@@ -316,13 +328,7 @@ def write_staged(
     private = area.new_private_dir()
     staged = private / staged_name(dest.name)
     try:
-        write(str(staged))
-        if not staged.is_file():
-            raise StagingError(
-                errno.ENOENT,
-                f"safestage: the writer returned but left no file at {staged}; nothing was published to {dest}.",
-                str(staged),
-            )
+        _write_checked(write, staged, dest)
     except BaseException as exc:
         private.remove()
         translated = _staging_failure(exc, staged, area.root)
@@ -383,13 +389,7 @@ def write_following(
     publisher.start()
     item: Optional[StagedFile] = None
     try:
-        write(str(staged))
-        if not staged.is_file():
-            raise StagingError(
-                errno.ENOENT,
-                f"safestage: the writer returned but left no file at {staged}; nothing was published to {dest}.",
-                str(staged),
-            )
+        _write_checked(write, staged, dest)
         item = StagedFile(private, staged, dest, started, time.perf_counter() - started)
         follower.finish()
         follower.check_final()  # the read-back CRC, while the publisher copies the tail
