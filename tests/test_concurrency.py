@@ -236,9 +236,10 @@ def same_file_round(kind: str, directory: Path, root: Path, name: str) -> SameFi
                 # s3fs 1.90 renames by a server-side copy and a delete: an open in that window
                 # answers ENOENT or reads an empty file, plain os.replace too
                 # (test_real_mounts.test_s3fs_rename_is_not_atomic_for_a_reader).
+                # torch's mmap loader reports that ENOENT as a RuntimeError ("unable to open
+                # file <...>: No such file or directory (2)"), hence _is_transient for both.
                 if (kind == "hdfs" and _is_transient(exc)) or (
-                    kind == "s3fs"
-                    and (isinstance(exc, FileNotFoundError) or "header too small" in str(exc))
+                    kind == "s3fs" and (_is_transient(exc) or "header too small" in str(exc))
                 ):
                     result.transient.append(type(exc).__name__)
                     continue
