@@ -192,7 +192,7 @@ class Stage(contextlib.ContextDecorator):
             self._record(write_unstaged(serialize, dest, self.settings))
             return
         background = self._publishes_in_background()
-        if not background and follow_strategy(self.settings, dest, area) is not None:
+        if not background and follow_strategy(self.settings, dest, area, needs) is not None:
             _background.settle(dest)  # an earlier background publish of it lands first
             try:
                 record = write_following(serialize, dest, area, self.settings, needs=needs)
@@ -276,9 +276,9 @@ def staged(
     once; the block's end waits for them. ``when="auto"`` writes destinations on local disk
     directly (no staging) and stages the rest. ``torch_save=True`` also stages
     ``torch.save(obj, path)`` (file objects pass through); it patches ``torch.save`` while the
-    block runs. ``follow=True`` publishes a synchronous copy (replace, or direct to a new
-    file) while the writer is still writing it, checked by CRC-32 before it is committed
-    (docs/speed.md). Arguments beat SAFESTAGE_* variables.
+    block runs. ``follow=True`` publishes a synchronous ``replace`` copy of a file of 64 MiB
+    or more while the writer is still writing it, checked by CRC-32 before it is committed
+    (README, "One big file: following the writer"). Arguments beat SAFESTAGE_* variables.
     Options are checked here (ConfigError); the staging root when the block starts
     (StagingError).
     """

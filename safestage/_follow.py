@@ -43,6 +43,12 @@ log = logging.getLogger("safestage")
 # How often the follower looks at the writer's position while it waits for bytes (seconds).
 # safetensors writes one tensor per write(2): positions advance in steps of a tensor.
 POLL_SECONDS = 0.002
+# Below this size a save is not followed (_stage.follow_strategy). Following a 1 KiB save
+# cost 8.5 ms more than a plain replace (the copying thread, its polling, the read-back;
+# benchmarks/results/2026-12-01-follow.md: 10.0 vs 1.5 ms without fsync, 25.5 vs 8.9 ms with),
+# while the most overlapping can win back is the serialize time, about 40 ms for 64 MiB
+# here (0.64 s per GiB into /dev/shm).
+FOLLOW_MIN_BYTES = 64 << 20
 _VERIFY_CHUNK = 4 << 20
 
 

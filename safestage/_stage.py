@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from ._config import Settings
 from ._errors import PublishError, StagingError
-from ._follow import Follower, FollowMismatch, WriterFailed
+from ._follow import FOLLOW_MIN_BYTES, Follower, FollowMismatch, WriterFailed
 from ._interrupts import deferred
 from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
@@ -338,13 +338,18 @@ def write_staged(
     return StagedFile(private, staged, dest, started, time.perf_counter() - started)
 
 
-def follow_strategy(settings: Settings, dest: Path, area: StagingArea) -> Optional[str]:
+def follow_strategy(
+    settings: Settings, dest: Path, area: StagingArea, needs: Optional[int] = None
+) -> Optional[str]:
     """The strategy a followed save of ``dest`` would publish with, or None where following
     does not apply. Only ``replace``: its temp is ours alone (O_EXCL), so a writer failing
     mid-file costs nothing but that temp. A rename needs the whole file, and ``direct``
     writes the final name, which another save may publish between any check made here and
-    the open (a failed followed write would then delete that save's file)."""
+    the open (a failed followed write would then delete that save's file). A save known to
+    be smaller than FOLLOW_MIN_BYTES is not followed: there is nothing to overlap."""
     if not settings.follow:
+        return None
+    if needs is not None and needs < FOLLOW_MIN_BYTES:
         return None
     strategy = planned_strategy(settings.publish, dest, area.device)
     return strategy if strategy == "replace" else None

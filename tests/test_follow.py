@@ -280,7 +280,7 @@ def test_follow_setting_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("kit_dir", ["hdfs", "mountpoint"], indirect=True)
 def test_real_safetensors_saves_followed_onto_the_kit(kit_dir, shm_root, caplog):
-    big = {f"w{j}": torch.full((1 << 20,), float(j + 1)) for j in range(8)}  # 32 MiB
+    big = {f"w{j}": torch.full((1 << 20,), float(j + 1)) for j in range(16)}  # 64 MiB: followed
     dest = kit_dir / "model.safetensors"
     caplog.set_level(logging.DEBUG, logger="safestage")
     with safestage.staged(shm_root, follow=True) as stage:
@@ -309,6 +309,31 @@ def test_follow_strategy_decisions(tmp_path, shm_root):
     # (test_review4_findings: a failed followed direct save deleted another save's file).
     assert _stage.follow_strategy(direct, new, area) is None
     assert _stage.follow_strategy(direct, old, area) is None
+
+
+def test_a_save_known_to_be_small_is_not_followed(tmp_path, shm_root, caplog):
+    """Following costs a thread, polling and a read-back (~8.5 ms a save): a safetensors save
+    whose specs say it is under FOLLOW_MIN_BYTES is published the plain way; one just at the
+    threshold is followed."""
+    small = {"w": torch.ones(1 << 10)}
+    edge = {f"w{j}": torch.ones(1 << 20) for j in range(_follow.FOLLOW_MIN_BYTES // (4 << 20))}
+    caplog.set_level(logging.DEBUG, logger="safestage")
+    with safestage.staged(shm_root, follow=True) as stage:
+        save_file(small, str(tmp_path / "small.safetensors"))
+        small_followed = [r for r in caplog.records if "followed (" in r.getMessage()]
+        save_file(edge, str(tmp_path / "edge.safetensors"))
+    edge_followed = [r for r in caplog.records if "followed (" in r.getMessage()]
+    assert small_followed == [] and len(edge_followed) == 1, [r.getMessage() for r in edge_followed]
+    assert "edge.safetensors" in edge_followed[0].getMessage()
+    assert [r.strategy for r in stage.records] == ["replace", "replace"]
+    assert torch.equal(load_file(str(tmp_path / "small.safetensors"))["w"], small["w"])
+    assert all(torch.equal(v, edge[k]) for k, v in load_file(str(tmp_path / "edge.safetensors")).items())
+    assert sorted(os.listdir(tmp_path)) == ["edge.safetensors", "small.safetensors"]
+    settings = safestage.staged(shm_root, follow=True).settings
+    area = _stage.StagingArea(shm_root, is_default=False)
+    new = tmp_path / "new.safetensors"
+    assert _stage.follow_strategy(settings, new, area, _follow.FOLLOW_MIN_BYTES - 1) is None
+    assert _stage.follow_strategy(settings, new, area, None) == "replace"  # size unknown: follow
 
 
 def test_a_failed_follow_copy_falls_back_to_a_plain_publish(tmp_path, shm_root, caplog, monkeypatch):

@@ -39,8 +39,8 @@ def test_failed_followed_direct_save_never_deletes_a_file_another_save_just_publ
     both_decided = threading.Barrier(2, timeout=5)
     real = _stage.follow_strategy
 
-    def decide(settings, d, area):
-        strategy = real(settings, d, area)
+    def decide(settings, d, area, needs=None):
+        strategy = real(settings, d, area, needs)
         both_decided.wait()
         if threading.current_thread().name == "saver-b":
             time.sleep(0.3)  # A's publisher takes the file's direct lock first
