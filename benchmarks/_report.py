@@ -19,6 +19,9 @@ FSYNCING = {
     "ss-bg-mp1",
     "ss-bg-mp4",
     "ss-when-auto",
+    "ss-follow",
+    "ss-follow-shm",
+    "ss-sync-shm",
     "ceiling-fsync",
 }
 
@@ -29,6 +32,11 @@ ROW_ORDER = [
     "st07",
     "ss-sync",
     "ss-sync-nofsync",
+    "ss-sync-shm",
+    "ss-follow",
+    "ss-follow-shm",
+    "serialize-disk",
+    "serialize-shm",
     "ss-xdev",
     "ss-direct",
     "ss-bg",
@@ -288,7 +296,7 @@ def _seconds_cell(document: dict[str, Any], dest: str, workload: str, name: str)
     if cell.get("fails"):
         return "fails"
     text = f"{cell['median_s']:.2f} ({cell['min_s']:.2f}-{cell['max_s']:.2f})"
-    if name not in ("ceiling", "ceiling-fsync", "build-only"):
+    if name not in ("ceiling", "ceiling-fsync", "build-only", "serialize-disk", "serialize-shm"):
         ratio = _ratio(document, dest, workload, name, ceiling_for(name))
         if ratio is not None:
             text += f" x{ratio:.2f}"

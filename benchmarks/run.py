@@ -42,6 +42,7 @@ MiB = 1 << 20
 SLOW_MBPS = 200.0
 
 sys.path.insert(0, str(HERE))
+import _issue13  # noqa: E402
 import _report  # noqa: E402
 
 # -- sizes ---------------------------------------------------------------------------------
@@ -140,6 +141,38 @@ CONTENDERS: dict[str, dict[str, Any]] = {
         "options": {"when": "auto", "fsync": False},
         "label": "safestage when='auto', no fsync",
     },
+    # Issue 13: follow the writer, and the two halves it overlaps (serializing alone into a
+    # staging root; the copy ceiling is dd conv=fsync below). "shm" = a root on /dev/shm.
+    "ss-follow": {
+        "kind": "safestage",
+        "root": "near",
+        "options": {"follow": True},
+        "label": "safestage follow=True, fsync",
+    },
+    "ss-follow-shm": {
+        "kind": "safestage",
+        "root": "shm",
+        "options": {"follow": True},
+        "label": "safestage follow=True, fsync, root /dev/shm",
+    },
+    "ss-sync-shm": {
+        "kind": "safestage",
+        "root": "shm",
+        "options": {},
+        "label": "safestage default, root /dev/shm",
+    },
+    "serialize-disk": {
+        "kind": "plain",
+        "venv": "main",
+        "into_root": "disk",
+        "label": "serializing alone: 0.8 save_file into the disk staging root",
+    },
+    "serialize-shm": {
+        "kind": "plain",
+        "venv": "main",
+        "into_root": "shm",
+        "label": "serializing alone: 0.8 save_file into /dev/shm",
+    },
     "ceiling": {"kind": "ceiling", "fsync": False, "label": "CEILING: dd bs=16M from /dev/shm"},
     "ceiling-fsync": {"kind": "ceiling", "fsync": True, "label": "CEILING: dd bs=16M conv=fsync"},
     "build-only": {"kind": "build", "venv": "main", "label": "building the shards only (no save)"},
@@ -184,12 +217,15 @@ KIT_NOFSYNC = {
     "tiny": [],
 }
 PARALLEL = ["ss-bg-mp1", "ss-bg-mp4"]  # with ss-bg (max_pending 2): shards into slow and hdfs
+# Issue 13, one 1 GiB file onto hdfs and slow: follow against its two halves, and the default
+# with the root on /dev/shm (the staging-root question).
+KIT_FOLLOW = ["ss-follow", "ss-follow-shm", "ss-sync-shm", "serialize-disk", "serialize-shm"]
 # The real mounts: plain 0.8 (fails on rclone) and 0.7, safestage by default (auto -> replace)
 # and direct (no temp, no rename: on an object store the object appears at close), each
 # against dd of the same bytes into that mount with conv=fsync (s3fs uploads at fsync; rclone
 # while writing). No tiny workload: per-save overhead is measured on disk and the kit.
 REAL = {
-    "single": ["st08", "st07", "ss-sync", "ss-direct", "ceiling-fsync"],
+    "single": ["st08", "st07", "ss-sync", "ss-sync-nofsync", "ss-follow", "ss-direct", "ceiling-fsync"],
     "shards": ["st08", "st07", "ss-sync", "ss-direct", "ss-bg", "ceiling-fsync"],
     "tiny": [],
 }
@@ -219,6 +255,10 @@ def contenders_for(dest: str, workload: str) -> list[str]:
     names = list(KIT[workload])
     if dest == "hdfs":
         names += KIT_NOFSYNC[workload]
+    elif workload == "single":
+        names.append("ss-sync-nofsync")  # fsync's cost on every destination (issue 13)
+    if workload == "single" and dest in ("slow", "hdfs"):
+        names += KIT_FOLLOW
     if workload == "shards" and dest in ("slow", "hdfs"):
         names += PARALLEL
     return names
@@ -438,7 +478,7 @@ def destination(
     """(directory to save into, {root kind: staging root}, pids of the processes serving the
     mount); a kit or real mount lives for the block."""
     info = DESTINATIONS[name]
-    disk_roots = {"near": roots["disk"], "far": roots["disk"], "disk": roots["disk"]}
+    disk_roots = {"near": roots["disk"], "far": roots["disk"], "disk": roots["disk"], "shm": roots["shm"]}
     if info.get("kit"):
         with hostile_mount(
             info["kit"], None, mbps=info.get("mbps"), backing=shm_base / f"backing-{name}"
@@ -461,7 +501,7 @@ def destination(
     dest_root = base / "dest"
     dest_root.mkdir()
     try:
-        yield dest_root, {"near": near, "far": far, "disk": roots["disk"]}, []
+        yield dest_root, {"near": near, "far": far, "disk": roots["disk"], "shm": roots["shm"]}, []
     finally:
         shutil.rmtree(dest_root, ignore_errors=True)
 
@@ -482,9 +522,13 @@ def run_one(
         sync_and_maybe_drop(drop)
         if contender["kind"] == "ceiling":
             return run_ceiling(source, run_dir, workload, sizes, contender["fsync"])
+        target = run_dir
+        if contender.get("into_root"):  # serializing alone, into a staging root's filesystem
+            target = root_for[contender["into_root"]] / f"serialize-{run_dir.name}"
+            target.mkdir()
         spec: dict[str, Any] = {
             "kind": contender["kind"],
-            "dest": str(run_dir),
+            "dest": str(target),
             **workload_spec(workload, sizes),
         }
         if contender["kind"] == "safestage":
@@ -736,11 +780,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "runs": runs,
         "copy_methods": copy_methods,
     }
-    document["targets"] = _report.targets(document)
+    document["targets"] = _report.targets(document) + _issue13.targets(document)
     stem.with_suffix(".json").write_text(
         json.dumps(document, indent=1, sort_keys=False), encoding="utf-8"
     )
     markdown = _report.markdown(document, png_name=stem.with_suffix(".png").name)
+    markdown += "\n" + "\n".join(_issue13.section(document))
     stem.with_suffix(".md").write_text(markdown, encoding="utf-8")
     _report.chart(document, stem.with_suffix(".png"))
     if not args.quick and args.out is None and args.only is None:
