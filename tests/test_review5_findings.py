@@ -1,0 +1,56 @@
+"""Fifth review: the free-space pre-check (StagingArea.check_room) and follow mode's
+small-save skip (FOLLOW_MIN_BYTES), each defect a failing test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import safestage
+
+
+@pytest.fixture(params=["tmpfs-size0", "ramfs"])
+def unlimited_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A real local filesystem with no size limit of its own: a tmpfs mounted with size=0
+    ("unlimited", tmpfs(5)) or a ramfs. Both report f_blocks = f_bfree = f_bavail = 0 in
+    statvfs, while every write succeeds."""
+    target = tmp_path / "unlimited"
+    target.mkdir()
+    if request.param == "ramfs":
+        command = ["mount", "-t", "ramfs", "-o", "mode=0755", "ramfs", str(target)]
+    else:
+        command = ["mount", "-t", "tmpfs", "-o", "size=0,mode=0755", "tmpfs", str(target)]
+    subprocess.run(command, check=True)
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def test_a_root_on_an_unlimited_tmpfs_or_ramfs_is_not_refused_as_full(unlimited_root, tmp_path):
+    """A staging root on ramfs, or on a tmpfs mounted with size=0 (no limit; what some job
+    schedulers and container setups give as RAM scratch), has room for anything memory
+    holds, but statvfs reports 0 blocks free there: "no limit" is not "full". The pre-check
+    reads that 0 as "full" and refuses every staged save, even 4 KiB, with a StagingError
+    (ENOSPC) that tells the user the root is full and to move it. Before the pre-check these
+    saves worked; the user loses every checkpoint written through such a root, and the message
+    sends them to free space that is not missing."""
+    info = os.statvfs(unlimited_root)
+    assert (info.f_blocks, info.f_bavail) == (0, 0)  # the filesystem says "no size", not "full"
+    probe = unlimited_root / "probe"
+    probe.write_bytes(b"\1" * (8 << 20))  # ...and takes 8 MiB without complaint
+    probe.unlink()
+    tensors = {"w": torch.arange(1024, dtype=torch.float32), "b": torch.ones(3, 5)}
+    dest = tmp_path / "model.safetensors"  # on the disk: another device, published by replace
+    with safestage.staged(unlimited_root) as stage:
+        save_file(tensors, str(dest))
+    loaded = load_file(str(dest))
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert [r.strategy for r in stage.records] == ["replace"]
+    assert os.listdir(unlimited_root) == []
