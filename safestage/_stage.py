@@ -77,6 +77,19 @@ class PrivateDir:
         return f"<PrivateDir {self.path} {'locked' if self._lock_fd is not None else 'released'}>"
 
 
+def _is_host_root() -> bool:
+    """Whether this process is uid 0 of the initial user namespace, whose uid_map is the
+    whole identity map (any other map is a user namespace, even one mapping 0 to 0)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/self/uid_map", encoding="ascii") as table:
+            first = table.read().split()
+    except OSError:
+        return True  # no user namespaces here
+    return first == ["0", "0", "4294967295"]
+
+
 class StagingArea:
     """A checked staging root. Construct it at activation so a bad root fails early."""
 
@@ -102,8 +115,11 @@ class StagingArea:
             info = os.statvfs(self.root)
         except OSError:
             return
-        # root may use the blocks ext4 reserves for it; everyone else only the available ones
-        blocks = info.f_bfree if os.geteuid() == 0 else info.f_bavail
+        if info.f_blocks == 0:  # ramfs, tmpfs size=0: no size limit, not "full" (review 5)
+            return
+        # Only the host's root may use the blocks ext4 reserves; root in a user namespace
+        # (rootless podman, Kubernetes hostUsers: false) counts as everyone else.
+        blocks = info.f_bfree if _is_host_root() else info.f_bavail
         free = blocks * info.f_frsize
         if nbytes <= free:
             return

@@ -54,3 +54,20 @@ def test_a_root_on_an_unlimited_tmpfs_or_ramfs_is_not_refused_as_full(unlimited_
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())
     assert [r.strategy for r in stage.records] == ["replace"]
     assert os.listdir(unlimited_root) == []
+
+
+def test_root_of_a_user_namespace_is_not_the_hosts_root():
+    """ext4's reserved blocks are for the host's root only: uid 0 inside a user namespace
+    (rootless podman, Kubernetes hostUsers: false) must be checked against f_bavail, or a
+    save that does not fit passes the pre-check and fails half-written (review 5)."""
+    import sys
+
+    code = "from safestage._stage import _is_host_root; print(_is_host_root())"
+    env = {**os.environ, "PYTHONPATH": str(Path(safestage.__file__).parent.parent)}
+    host = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    inside = subprocess.run(
+        ["unshare", "--user", "--map-root-user", sys.executable, "-c", code],
+        capture_output=True, text=True, env=env, check=True,
+    )
+    assert host.stdout.strip() == str(os.geteuid() == 0)
+    assert inside.stdout.strip() == "False", inside.stderr
