@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import concurrent.futures
 import errno
 import logging
 import os
@@ -201,6 +202,8 @@ class Stage(contextlib.ContextDecorator):
                 raise
             self._record(record)
             return
+        if background:
+            self._make_room(needs, dest, area)
         item = write_staged(serialize, dest, area, needs=needs)
         if not background:
             _background.settle(dest)  # an earlier background publish of it lands first
@@ -220,6 +223,23 @@ class Stage(contextlib.ContextDecorator):
         # every future: drop those that succeeded; failures stay until raised.
         self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
         self._futures.append(future)
+
+    def _make_room(self, needs: Optional[int], dest: Path, area: StagingArea) -> None:
+        """background: a root too full for this file now may hold it once this stage's
+        pending publishes have landed and their staged copies are gone; wait for those before
+        refusing (review 5). Their failures are raised where they always are (close)."""
+        try:
+            area.check_room(needs, dest)
+        except StagingError:
+            pending = [f for f in self._futures if not f.done()]
+            if not pending:
+                raise
+            log.info(
+                "%s: the staging root is full until %d pending publish(es) land; waiting",
+                dest, len(pending),
+            )
+            concurrent.futures.wait(pending)
+            area.check_room(needs, dest)
 
     def _publishes_in_background(self) -> bool:
         """background=True, in the process that opened the stage, and not a multiprocessing

@@ -71,3 +71,32 @@ def test_root_of_a_user_namespace_is_not_the_hosts_root():
     )
     assert host.stdout.strip() == str(os.geteuid() == 0)
     assert inside.stdout.strip() == "False", inside.stderr
+
+
+def test_background_waits_for_pending_publishes_before_calling_the_root_full(tmp_path):
+    """background=True, max_pending=2, a 24 MiB staging root and 9 MiB shards onto a slow
+    mount: the third shard finds the root holding the two still being published, 6 MiB
+    free. It fits once they land, so the save must wait for them, not fail with ENOSPC
+    (review 5: refused at once, the user's third shard lost for a root that was big enough
+    for the max_pending + 1 ... that the README asks for, minus one)."""
+    from safestage.testing import hostile_mount
+
+    root = tmp_path / "root"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(root)], check=True)
+    shards = [{"w": torch.full(((9 << 20) // 4,), float(i))} for i in range(3)]
+    try:
+        with hostile_mount("slow", tmp_path / "mnt", mbps=20) as mount:
+            dest = Path(mount.path)
+            with safestage.staged(root, background=True, max_pending=2) as stage:
+                for i, shard in enumerate(shards):
+                    save_file(shard, str(dest / f"shard-{i}.safetensors"))
+                    if i == 1:
+                        free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+                        assert free < (9 << 20), "the root must be too full for shard 2 now"
+            for i, shard in enumerate(shards):
+                assert torch.equal(load_file(str(dest / f"shard-{i}.safetensors"))["w"], shard["w"])
+            assert sorted(os.listdir(dest)) == [f"shard-{i}.safetensors" for i in range(3)]
+            assert len(stage.records) == 3
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
