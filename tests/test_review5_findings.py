@@ -77,8 +77,8 @@ def test_background_waits_for_pending_publishes_before_calling_the_root_full(tmp
     """background=True, max_pending=2, a 24 MiB staging root and 9 MiB shards onto a slow
     mount: the third shard finds the root holding the two still being published, 6 MiB
     free. It fits once they land, so the save must wait for them, not fail with ENOSPC
-    (review 5: refused at once, the user's third shard lost for a root that was big enough
-    for the max_pending + 1 ... that the README asks for, minus one)."""
+    (review 5: it was refused at once, and the user's third shard lost, in a root big
+    enough for every shard one after another)."""
     from safestage.testing import hostile_mount
 
     root = tmp_path / "root"
