@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import concurrent.futures
+import contextlib
 import errno
 import logging
 import os
