@@ -296,9 +296,10 @@ def staged(
     once; the block's end waits for them. ``when="auto"`` writes destinations on local disk
     directly (no staging) and stages the rest. ``torch_save=True`` also stages
     ``torch.save(obj, path)`` (file objects pass through); it patches ``torch.save`` while the
-    block runs. ``follow=True`` publishes a synchronous ``replace`` copy of a file of 64 MiB
-    or more while the writer is still writing it, checked by CRC-32 before it is committed
-    (README, "One big file: following the writer"). Arguments beat SAFESTAGE_* variables.
+    block runs. By default (``follow=None``, "auto") a synchronous ``replace`` save of a
+    safetensors file of 64 MiB or more is copied while the writer is still writing it,
+    checked by CRC-32 before it is committed (README, "One big file: following the writer");
+    ``follow=True`` also follows saves of unknown size (torch.save), ``follow=False`` none. Arguments beat SAFESTAGE_* variables.
     Options are checked here (ConfigError); the staging root when the block starts
     (StagingError).
     """

@@ -362,10 +362,15 @@ def follow_strategy(
     mid-file costs nothing but that temp. A rename needs the whole file, and ``direct``
     writes the final name, which another save may publish between any check made here and
     the open (a failed followed write would then delete that save's file). A save known to
-    be smaller than FOLLOW_MIN_BYTES is not followed: there is nothing to overlap."""
-    if not settings.follow:
+    be smaller than FOLLOW_MIN_BYTES is not followed: there is nothing to overlap. A save of
+    unknown size (torch.save) only with follow=True; the default (None, "auto") follows only
+    what it knows to be big."""
+    if settings.follow is False:
         return None
-    if needs is not None and needs < FOLLOW_MIN_BYTES:
+    if needs is None:
+        if settings.follow is None:
+            return None
+    elif needs < FOLLOW_MIN_BYTES:
         return None
     strategy = planned_strategy(settings.publish, dest, area.device)
     return strategy if strategy == "replace" else None
