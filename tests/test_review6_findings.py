@@ -4,8 +4,11 @@ safetensors 0.8 writer and real filesystems. Each test fails on the reviewed cod
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
+import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,3 +78,77 @@ def test_a_destination_failing_while_the_writer_writes_names_the_kept_copy(faili
         assert left == [Path(error.staged_path)], (error.staged_path, left)
         assert same(load_file(error.staged_path), tensors)
         assert "No staged copy could be kept" not in str(error)
+
+
+_NO_THREADS_CHILD = r'''
+import json, os, resource, sys, threading
+from pathlib import Path
+import encodings.ascii, zlib, logging
+import torch
+from safetensors.torch import save_file
+import safestage
+root, dest_dir, warm = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+big = {f"w{j}": torch.full((1 << 18,), float(j + 1)) for j in range(64)}  # 64 MiB
+with safestage.staged(warm):  # every lazy import done before the limits (a followed save)
+    save_file(big, str(dest_dir / "warm.safetensors"))
+os.unlink(dest_dir / "warm.safetensors")
+os.setgid(65534); os.setuid(65534)  # RLIMIT_NPROC binds only non-root users
+count = len(os.listdir("/proc/self/task"))
+resource.setrlimit(resource.RLIMIT_NPROC, (count, count))  # like a full pids cgroup
+report = {}
+try:
+    threading.Thread(target=lambda: None).start()
+    report["thread"] = "started"
+except RuntimeError as exc:
+    report["thread"] = str(exc)
+for name, options in (("plain.safetensors", {"follow": False}), ("default.safetensors", {})):
+    try:
+        with safestage.staged(root, **options):
+            save_file(big, str(dest_dir / name))
+        report[name] = "saved"
+    except BaseException as exc:
+        report[name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(report))
+'''
+
+
+def test_a_default_save_works_where_no_new_thread_can_start():
+    """Following needs a second thread; a plain save does not. In a process that cannot
+    start one (a container at its pids limit, RLIMIT_NPROC, or an atexit handler on Python
+    3.12, which refuses every new thread at interpreter shutdown: "can't create new thread
+    at interpreter shutdown"), a big save that worked before follow became the default now
+    raises RuntimeError("can't start new thread") from publisher.start(), the checkpoint is
+    not saved at all, and an empty private directory is left in the staging root. Real
+    limits here: uid 65534 with RLIMIT_NPROC at its current thread count; the same save
+    with follow=False in the same process succeeds. What the user loses: the checkpoint
+    (often the final one, saved at exit). Expected: fall back to the plain publish."""
+    tag = uuid.uuid4().hex[:8]
+    # Directories uid 65534 can reach: the root on /dev/shm, the destination on the disk
+    # (another device: replace, the strategy that is followed).
+    root, warm, dest_dir = Path(f"/dev/shm/r6-root-{tag}"), Path(f"/dev/shm/r6-warm-{tag}"), Path(f"/tmp/r6-dest-{tag}")
+    for directory in (root, warm, dest_dir):
+        directory.mkdir()
+        os.chmod(directory, 0o777)
+    script = dest_dir.with_name(f"r6-child-{tag}.py")
+    script.write_text(_NO_THREADS_CHILD)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    try:
+        run = subprocess.run(
+            [sys.executable, str(script), str(root), str(dest_dir), str(warm)],
+            env=env, capture_output=True, text=True, timeout=240,
+        )
+        report = json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else run.stderr[-2000:]
+        left_in_root = os.listdir(root)
+        left_in_dest = sorted(os.listdir(dest_dir))
+        loaded = {name: load_file(str(dest_dir / name)) for name in left_in_dest}
+    finally:
+        subprocess.run(["rm", "-rf", str(root), str(warm), str(dest_dir), str(script)], check=False)
+    assert isinstance(report, dict), report
+    assert report["thread"] != "started", report  # the limit is real: no new thread
+    assert report["plain.safetensors"] == "saved", report  # a plain save works there
+    wanted = {f"w{j}": torch.full((1 << 18,), float(j + 1)) for j in range(64)}
+    assert same(loaded["plain.safetensors"], wanted)
+    assert report["default.safetensors"] == "saved", report
+    assert left_in_dest == ["default.safetensors", "plain.safetensors"]
+    assert same(loaded["default.safetensors"], wanted)
+    assert left_in_root == []
