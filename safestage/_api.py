@@ -272,7 +272,8 @@ class Stage(contextlib.ContextDecorator):
         return (
             f"<safestage.Stage {self._state} root={str(self.staging_root)!r} "
             f"publish={self.settings.publish!r} fsync={self.settings.fsync} "
-            f"torch_save={self.settings.torch_save} records={len(self.records)}>"
+            f"torch_save={self.settings.torch_save} follow={self.settings.follow} "
+            f"records={len(self.records)}>"
         )
 
 

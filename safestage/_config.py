@@ -200,6 +200,8 @@ def _follow(value: Any, env: Mapping[str, str]) -> Optional[bool]:
         text = env_value(env, ENV_FOLLOW)
         if text is None or text.strip().lower() == "auto":
             return None
+        if text.strip().lower() not in _TRUE | _FALSE:
+            raise ConfigError(f"follow={text!r} from {ENV_FOLLOW} is not a boolean or auto: use 1, 0 or auto")
         return parse_bool(text, ENV_FOLLOW, "follow")
     if not isinstance(value, bool):
         raise ConfigError(f"follow={value!r} from the follow argument is not a bool or None (auto)")

@@ -27,7 +27,14 @@ from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
 from ._names import stage_dir_name, staged_name
 from ._paths import real_directory
-from ._publish import Published, fsync_directory, planned_strategy, publish_file, wanted_mode
+from ._publish import (
+    Published,
+    fsync_directory,
+    kept_copy_text,
+    planned_strategy,
+    publish_file,
+    wanted_mode,
+)
 
 log = logging.getLogger("safestage")
 
@@ -412,7 +419,14 @@ def write_following(
             finished.set()
 
     publisher = threading.Thread(target=publish, name="safestage-follow", daemon=True)
-    publisher.start()
+    try:
+        publisher.start()
+    except RuntimeError as exc:
+        # No thread to be had (a container at its pids limit, RLIMIT_NPROC, interpreter
+        # shutdown on 3.12+): the save needs none, so it is staged, then published (review 6).
+        log.debug("%s: cannot follow the writer (%s); staging, then publishing", dest, exc)
+        private.remove()
+        return publish_staged(write_staged(write, dest, area, needs=needs), settings, area)
     item: Optional[StagedFile] = None
     try:
         _write_checked(write, staged, dest)
@@ -445,7 +459,7 @@ def write_following(
         # The destination itself failed (EIO at close, ENOSPC, ...): the same failure as an
         # ordinary publish would meet, not a reason to copy everything again.
         keep_unpublished(item, result)
-        raise result
+        raise _naming_the_kept_copy(result, item)
     if not isinstance(result, Published):
         log.warning(
             "%s: the copy made while serializing could not be used (%s: %s); publishing the "
@@ -470,6 +484,21 @@ def write_following(
         follower.bytes_while_writing, record.publish_seconds,
     )  # fmt: skip
     return record
+
+
+def _naming_the_kept_copy(error: PublishError, item: StagedFile) -> PublishError:
+    """A followed publish that failed while the writer was still writing built its error
+    before the staged file existed under its name ("No staged copy could be kept."); the
+    writer has since returned and the complete copy is kept: the error must say where
+    (review 6)."""
+    if error.staged_path is not None or not item.path.exists():
+        return error
+    message = (error.strerror or "").replace(kept_copy_text(None), kept_copy_text(item.path))
+    named = PublishError(
+        error.errno, message, error.filename, staged_path=str(item.path), step=error.step
+    )
+    named.__cause__ = error.__cause__
+    return named
 
 
 def _destination_failed(error: PublishError) -> bool:
