@@ -169,7 +169,7 @@ def run_overhead(spec: dict[str, Any]) -> dict[str, Any]:
     #    filename argument, abspath, two stats of the destination), with Stage._save stubbed.
     stage = safestage.staged(root, fsync=False)
     with stage:
-        stage._save = lambda serialize, dest: None  # type: ignore[method-assign]
+        stage._save = lambda serialize, dest, **options: None  # type: ignore[method-assign]
         out["wrapper_to_stage_decision_ns"] = _per_call_ns(lambda: wrapper(empty, target), n // 10)
 
     # 3. Opening and closing a stage (patch + unpatch serialize_file, root checks).

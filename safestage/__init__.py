@@ -23,7 +23,8 @@ from ._errors import ConfigError, PublishError, SafestageError, StagingError
 from ._stage import PublishRecord
 
 if TYPE_CHECKING:
-    from ._commit import StagedDir, commit_in_place, staged_dir
+    from ._commit import StagedDir, staged_dir
+    from ._in_place import commit_in_place
     from ._manifest import COMMIT_NAME, FileEntry, Manifest
     from ._verify import Problem, VerifyResult, is_complete, latest_complete, verify
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "StagedDir": "_commit",
     "staged_dir": "_commit",
-    "commit_in_place": "_commit",
+    "commit_in_place": "_in_place",
     "COMMIT_NAME": "_manifest",
     "FileEntry": "_manifest",
     "Manifest": "_manifest",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -201,6 +202,8 @@ class Stage(contextlib.ContextDecorator):
                 raise
             self._record(record)
             return
+        if background:
+            self._make_room(needs, dest, area)
         item = write_staged(serialize, dest, area, needs=needs)
         if not background:
             _background.settle(dest)  # an earlier background publish of it lands first
@@ -220,6 +223,23 @@ class Stage(contextlib.ContextDecorator):
         # every future: drop those that succeeded; failures stay until raised.
         self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
         self._futures.append(future)
+
+    def _make_room(self, needs: Optional[int], dest: Path, area: StagingArea) -> None:
+        """background: a root too full for this file now may hold it once this stage's
+        pending publishes have landed and their staged copies are gone; wait for those before
+        refusing (review 5). Their failures are raised where they always are (close)."""
+        try:
+            area.check_room(needs, dest)
+        except StagingError:
+            pending = [f for f in self._futures if not f.done()]
+            if not pending:
+                raise
+            log.info(
+                "%s: the staging root is full until %d pending publish(es) land; waiting",
+                dest, len(pending),
+            )
+            concurrent.futures.wait(pending)
+            area.check_room(needs, dest)
 
     def _publishes_in_background(self) -> bool:
         """background=True, in the process that opened the stage, and not a multiprocessing
@@ -252,7 +272,8 @@ class Stage(contextlib.ContextDecorator):
         return (
             f"<safestage.Stage {self._state} root={str(self.staging_root)!r} "
             f"publish={self.settings.publish!r} fsync={self.settings.fsync} "
-            f"torch_save={self.settings.torch_save} records={len(self.records)}>"
+            f"torch_save={self.settings.torch_save} follow={self.settings.follow} "
+            f"records={len(self.records)}>"
         )
 
 
@@ -276,9 +297,10 @@ def staged(
     once; the block's end waits for them. ``when="auto"`` writes destinations on local disk
     directly (no staging) and stages the rest. ``torch_save=True`` also stages
     ``torch.save(obj, path)`` (file objects pass through); it patches ``torch.save`` while the
-    block runs. ``follow=True`` publishes a synchronous ``replace`` copy of a file of 64 MiB
-    or more while the writer is still writing it, checked by CRC-32 before it is committed
-    (README, "One big file: following the writer"). Arguments beat SAFESTAGE_* variables.
+    block runs. By default (``follow=None``, "auto") a synchronous ``replace`` save of a
+    safetensors file of 64 MiB or more is copied while the writer is still writing it,
+    checked by CRC-32 before it is committed (README, "One big file: following the writer");
+    ``follow=True`` also follows saves of unknown size (torch.save), ``follow=False`` none. Arguments beat SAFESTAGE_* variables.
     Options are checked here (ConfigError); the staging root when the block starts
     (StagingError).
     """

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import stat
@@ -43,9 +42,9 @@ from . import _config, _patch
 from ._config import UNSET, PathArg, Settings
 from ._errors import PublishError
 from ._manifest import COMMIT_NAME, Crc32, FileEntry, Manifest, new_manifest, unsafe_path
-from ._names import DISPOSABLE_MARKER, is_writer_temp, parse_temp_name
+from ._names import DISPOSABLE_MARKER, is_writer_temp
 from ._paths import real_directory
-from ._publish import CHUNK_BYTES, Digest, Published, fsync_directory, publish_file
+from ._publish import Digest, Published, fsync_directory, publish_file
 from ._stage import PrivateDir, PublishRecord, StagingArea, remove_tree
 
 log = logging.getLogger("safestage")
@@ -389,218 +388,6 @@ def staged_dir(
 # -- committing files already at the destination ------------------------------------------------
 
 # A JSON file of a checkpoint larger than this is read for its digest but not parsed.
-_MAX_JSON_CHECK = 64 << 20
-
-
-def commit_in_place(
-    directory: PathArg,
-    root: Optional[PathArg] = None,
-    *,
-    publish: Any = UNSET,
-    fsync: Any = UNSET,
-) -> Manifest:
-    """Commit a checkpoint directory that another writer has already filled at its
-    destination (the transformers Trainer writing ``checkpoint-N``, one process per rank):
-
-    1. the directory's commit file, if any, is removed first (fsync'ed), so that from here
-       until the new one lands the directory is not complete;
-    2. temp files of safestage writers that are gone (``safestage clean``'s rules) are removed;
-    3. every file is read back from the destination: its size and CRC-32 go into the manifest;
-       a ``.safetensors`` file's header must parse and its tensors cover the data exactly, a
-       ``.json`` file must parse, and every file a ``*.index.json`` weight map names must be
-       there. Anything wrong raises PublishError (EBADMSG, ``step="verify"``) naming it, and no
-       commit file is written;
-    4. the commit file is published last, like ``staged_dir``'s (``publish``, ``fsync``, the
-       staging root ``root`` holds it for a moment).
-
-    Returns the Manifest written. Only call it once every writer of the directory has finished
-    (a barrier across ranks): the manifest vouches for what is there when it is read.
-    """
-    settings = _config.resolve(root=root, publish=publish, fsync=fsync)
-    text = os.fspath(directory)
-    dest = real_directory(text)
-    if dest is None:
-        raise PublishError(
-            errno.ENOENT,
-            f"safestage.commit_in_place: {text!r} is not a directory: nothing to commit.",
-            str(text),
-            step="inspect",
-        )
-    started = time.perf_counter()
-    try:
-        invalidate(dest, fsync=settings.fsync)
-    except OSError as exc:
-        raise PublishError(
-            exc.errno,
-            f"safestage could not commit {dest}: could not remove the previous commit file "
-            f"{dest / COMMIT_NAME}: [Errno {exc.errno}] {exc.strerror}. Nothing was changed.",
-            str(dest / COMMIT_NAME),
-            step="invalidate",
-        ) from exc
-    _remove_dead_temps(dest)
-    files, empty = _scan_in_place(dest)
-    entries, problems = _read_back(dest, files)
-    if problems:
-        raise PublishError(
-            errno.EBADMSG,
-            f"safestage will not commit {dest}: {len(problems)} problem(s) in the files at the "
-            f"destination: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}. No "
-            f"commit file was written: {dest} is not complete (verify and latest_complete say so). "
-            f"Write the checkpoint again, then commit again.",
-            str(dest),
-            step="verify",
-        )
-    manifest = new_manifest(entries, empty, _version())
-    area = StagingArea(settings.staging_root(), is_default=settings.root is None)
-    private = area.new_private_dir()
-    try:
-        publish_manifest(manifest, private, dest, settings, area.device)
-    except OSError as exc:
-        raise PublishError(
-            exc.errno,
-            f"safestage could not commit {dest}: all {len(entries)} files were read back, but "
-            f"the commit file {COMMIT_NAME} could not be written ({exc}). {dest} is therefore "
-            f"not complete (verify and latest_complete say so).",
-            str(dest / COMMIT_NAME),
-            step="commit",
-        ) from exc
-    finally:
-        private.remove()
-    log.debug(
-        "%s: committed in place, %d files, %d bytes read back in %.3fs",
-        dest, len(manifest.files), manifest.total_bytes, time.perf_counter() - started,
-    )  # fmt: skip
-    return manifest
-
-
-def _remove_dead_temps(dest: Path) -> None:
-    """Temp files a killed safestage writer left in ``dest`` (a Trainer rewriting a torn
-    ``checkpoint-N`` after a resume): removed by the rules of ``safestage clean`` (the owner
-    on this host is gone and holds no lock); those it cannot judge stay, outside the commit."""
-    from ._clean import clean
-
-    try:
-        entries = clean(dest)
-    except OSError as exc:  # the commit does not depend on it
-        log.warning("%s: could not look for dead temp files: %s", dest, exc)
-        return
-    for entry in entries:
-        log.debug("%s: %s", dest, entry.to_json())
-
-
-def _scan_in_place(dest: Path) -> tuple[list[tuple[str, int]], list[str]]:
-    """The files of the checkpoint at ``dest`` (relative paths, sizes) and its empty
-    directories. Not part of it: the commit file, safestage's temp files (a live writer's,
-    logged) and safetensors' own temp files. Refused: symlinks, FIFOs, sockets, devices."""
-    files: list[tuple[str, int]] = []
-    empty: list[str] = []
-    stack = [("", dest)]
-    while stack:
-        relative, directory = stack.pop()
-        try:
-            with os.scandir(directory) as listing:
-                entries = sorted(listing, key=lambda entry: entry.name)
-        except OSError as exc:
-            raise PublishError(
-                exc.errno,
-                f"safestage will not commit {dest}: cannot list {directory}: [Errno {exc.errno}] "
-                f"{exc.strerror}. No commit file was written.",
-                str(directory),
-                step="scan",
-            ) from exc
-        if relative and not entries:
-            empty.append(relative)
-        for entry in entries:
-            path = f"{relative}/{entry.name}" if relative else entry.name
-            if path == COMMIT_NAME:
-                continue
-            if parse_temp_name(entry.name) is not None or is_writer_temp(entry.name):
-                log.warning("%s: %s is a temp file of a writer that may still run: not committed", dest, path)
-                continue
-            info = entry.stat(follow_symlinks=False)
-            problem = unsafe_path(path)
-            if stat.S_ISDIR(info.st_mode) and problem is None:
-                stack.append((path, Path(entry.path)))
-                continue
-            if stat.S_ISLNK(info.st_mode):
-                problem = "is a symlink (it could point outside the checkpoint)"
-            elif not stat.S_ISREG(info.st_mode):
-                problem = "is not a regular file or directory (a FIFO, socket or device)"
-            if problem is not None:
-                raise PublishError(
-                    errno.EINVAL,
-                    f"safestage will not commit {dest}: {entry.path} {problem}. No commit file "
-                    f"was written.",
-                    entry.path,
-                    step="scan",
-                )
-            files.append((path, info.st_size))
-    return files, empty
-
-
-def _read_back(dest: Path, files: list[tuple[str, int]]) -> tuple[list[FileEntry], list[str]]:
-    """Each file's entry (size and CRC-32 of the bytes read now) and what is wrong with them."""
-    from ._verify import safetensors_problem
-
-    entries: list[FileEntry] = []
-    problems: list[str] = []
-    present = {path for path, _ in files}
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
-    for path, _ in files:
-        crc = Crc32()
-        size = 0
-        kept = bytearray()  # a .json file's bytes, to parse
-        try:
-            # O_NONBLOCK: a FIFO swapped in since the listing must not hang the commit.
-            fd = os.open(dest / path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as exc:
-            problems.append(f"{path}: cannot open: {exc.strerror} (errno {exc.errno})")
-            continue
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                problems.append(f"{path}: not a regular file any more")
-                continue
-            expected = info.st_size
-            while count := os.readv(fd, [view]):
-                crc.update(view[:count])
-                size += count
-                if path.endswith(".json") and size <= _MAX_JSON_CHECK:
-                    kept += view[:count]
-            header = safetensors_problem(fd, size) if path.endswith(".safetensors") else None
-        except OSError as exc:
-            problems.append(f"{path}: cannot read: {exc.strerror} (errno {exc.errno})")
-            continue
-        finally:
-            os.close(fd)
-        if size != expected:
-            problems.append(f"{path}: {size} bytes read, {expected} announced (still being written?)")
-        if header is not None:
-            problems.append(f"{path}: not a complete safetensors file: {header}")
-        if path.endswith(".json") and size <= _MAX_JSON_CHECK:
-            problems += _json_problems(path, bytes(kept), present)
-        entries.append(FileEntry(path, size, crc.hexdigest()))
-    return entries, problems
-
-
-def _json_problems(path: str, data: bytes, present: set[str]) -> list[str]:
-    """A JSON file of the checkpoint must parse (trainer_state.json and config.json are
-    plain open() writes); a ``*.index.json`` must name only files that are there."""
-    try:
-        document = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # as _manifest.parse
-        return [f"{path}: not valid JSON (torn?): {exc}"]
-    weight_map = document.get("weight_map") if isinstance(document, dict) else None
-    if not path.endswith(".index.json") or not isinstance(weight_map, dict):
-        return []
-    folder = path.rpartition("/")[0]
-    here = {p[len(folder) + 1 :] for p in present if p.startswith(f"{folder}/")} if folder else present
-    missing = sorted({str(name) for name in weight_map.values()} - here)
-    return [f"{path} names files that are not there: {', '.join(missing[:5])}"] if missing else []
-
-
-# -- the destination ----------------------------------------------------------------------------
 
 
 def destination_directory(dest: PathArg) -> Path:

@@ -56,8 +56,10 @@ class Settings:
     when: str = "always"  # "auto": local-disk destinations use the original writer unstaged
     # Also stage torch.save(obj, path): a patch of a torch module global, so opt-in (README).
     torch_save: bool = False
-    # Synchronous replace/direct saves: publish while the writer is still writing (_follow).
-    follow: bool = False
+    # Synchronous replace saves: publish while the writer is still writing (_follow). None
+    # (the default, "auto"): safetensors saves known to be big; True: also saves of unknown
+    # size (torch.save); False: never. Chosen from two benchmark runs (README, issue 13).
+    follow: Optional[bool] = None
 
     def staging_root(self) -> Path:
         return self.root if self.root is not None else default_root()
@@ -185,8 +187,25 @@ def resolve(
             else parse_when(env_value(env, ENV_WHEN) or "always", ENV_WHEN)
         ),
         torch_save=_flag(torch_save, "torch_save", env, ENV_TORCH_SAVE, default=False),
-        follow=_flag(follow, "follow", env, ENV_FOLLOW, default=False),
+        follow=_follow(follow, env),
     )
+
+
+def _follow(value: Any, env: Mapping[str, str]) -> Optional[bool]:
+    """None ("auto", the default) follows the safetensors saves known to be big; True and
+    False as given. SAFESTAGE_FOLLOW takes 1, 0 or auto."""
+    if value is None:
+        return None
+    if value is UNSET:
+        text = env_value(env, ENV_FOLLOW)
+        if text is None or text.strip().lower() == "auto":
+            return None
+        if text.strip().lower() not in _TRUE | _FALSE:
+            raise ConfigError(f"follow={text!r} from {ENV_FOLLOW} is not a boolean or auto: use 1, 0 or auto")
+        return parse_bool(text, ENV_FOLLOW, "follow")
+    if not isinstance(value, bool):
+        raise ConfigError(f"follow={value!r} from the follow argument is not a bool or None (auto)")
+    return value
 
 
 def _flag(value: Any, option: str, env: Mapping[str, str], variable: str, *, default: bool) -> bool:

