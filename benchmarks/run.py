@@ -787,7 +787,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     markdown = _report.markdown(document, png_name=stem.with_suffix(".png").name)
     markdown += "\n" + "\n".join(_issue13.section(document))
     stem.with_suffix(".md").write_text(markdown, encoding="utf-8")
-    _report.chart(document, stem.with_suffix(".png"))
+    if runs:  # an overhead-only run (--only with no destination) has nothing to chart
+        _report.chart(document, stem.with_suffix(".png"))
     if not args.quick and args.out is None and args.only is None:
         _report.update_readme(HERE / "README.md", markdown, f"results/{stem.name}")
     print(f"[bench] wrote {stem}.json/.md/.png in {time.time() - started_wall:.0f} s", flush=True)
