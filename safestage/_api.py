@@ -300,7 +300,8 @@ def staged(
     block runs. By default (``follow=None``, "auto") a synchronous ``replace`` save of a
     safetensors file of 64 MiB or more is copied while the writer is still writing it,
     checked by CRC-32 before it is committed (README, "One big file: following the writer");
-    ``follow=True`` also follows saves of unknown size (torch.save), ``follow=False`` none. Arguments beat SAFESTAGE_* variables.
+    ``follow=True`` also follows saves of unknown size (torch.save), ``follow=False`` none.
+    Arguments beat SAFESTAGE_* variables.
     Options are checked here (ConfigError); the staging root when the block starts
     (StagingError).
     """
