@@ -203,8 +203,8 @@ class Stage(contextlib.ContextDecorator):
             self._record(record)
             return
         if background:
-            self._make_room(needs, dest, area)
-        item = write_staged(serialize, dest, area, needs=needs)
+            self._make_room(needs, dest, area)  # checked here: write_staged need not again
+        item = write_staged(serialize, dest, area, needs=None if background else needs)
         if not background:
             _background.settle(dest)  # an earlier background publish of it lands first
             self._publish(item, area, as_error)

@@ -426,7 +426,7 @@ def write_following(
         # shutdown on 3.12+): the save needs none, so it is staged, then published (review 6).
         log.debug("%s: cannot follow the writer (%s); staging, then publishing", dest, exc)
         private.remove()
-        return publish_staged(write_staged(write, dest, area, needs=needs), settings, area)
+        return publish_staged(write_staged(write, dest, area), settings, area)  # room checked
     item: Optional[StagedFile] = None
     try:
         _write_checked(write, staged, dest)
