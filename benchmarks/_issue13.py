@@ -15,7 +15,7 @@ Each returns rows shaped like _report._target, so the markdown and verdicts.py t
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import _report
 from _report import _fmt_ratio, _median, _target
@@ -41,11 +41,15 @@ def _worst(
     return (max(measured.values()) if measured else None), details
 
 
+def _per_destination(
+    document: dict[str, Any], dests: tuple[str, ...], one: Callable[[str], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One target per destination this run measured."""
+    return [one(dest) for dest in dests if dest in document["summary"]]
+
+
 def default_vs_07(document: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for dest in ZERO_SEVEN_DESTS:
-        if dest not in document["summary"]:
-            continue
+    def one(dest: str) -> dict[str, Any]:
         value, details = _worst(document, dest, "ss-sync", "st07")
         like, like_details = _worst(document, dest, "ss-sync-nofsync", "st07")
         if like is not None:
@@ -56,63 +60,54 @@ def default_vs_07(document: dict[str, Any]) -> list[dict[str, Any]]:
         strategies = (_report._cell(document, dest, "single", "ss-sync") or {}).get("strategies")
         if strategies:
             details.append(f"publish: {', '.join(sorted(set(strategies)))}")
-        out.append(
-            _target(
-                f"issue 13: {dest}, safestage default (follow off, as run) <= 1.0x of safetensors 0.7 (worst workload)",
-                value,
-                1.0,
-                "x",
-                details,
-            )
+        return _target(
+            f"issue 13: {dest}, safestage default (follow off, as run) <= 1.0x of safetensors 0.7 (worst workload)",
+            value,
+            1.0,
+            "x",
+            details,
         )
-    return out
+
+    return _per_destination(document, ZERO_SEVEN_DESTS, one)
 
 
 def follow_default_vs_07(document: dict[str, Any]) -> list[dict[str, Any]]:
     """The default chosen from these runs (follow=None, "auto"): a 1 GiB safetensors save
     published by replace is followed, which is the ``ss-follow`` contender; elsewhere
     (rename, direct) the default is ``ss-sync`` as before."""
-    out = []
-    for dest in ZERO_SEVEN_DESTS:
-        if dest not in document["summary"]:
-            continue
+    def one(dest: str) -> dict[str, Any]:
         name = "ss-follow" if _median(document, dest, "single", "ss-follow") else "ss-sync"
         value = _ratio(document, dest, "single", name, "st07")
         details = [f"measured as {name}"]
         before = _ratio(document, dest, "single", "ss-sync", "st07")
         if name == "ss-follow" and before is not None:
             details.append(f"follow off (the previous default) {_fmt_ratio(before)}")
-        out.append(
-            _target(
-                f"issue 13: {dest}, 1 GiB, default with follow auto <= 1.0x of safetensors 0.7",
-                value,
-                1.0,
-                "x",
-                details,
-            )
+        return _target(
+            f"issue 13: {dest}, 1 GiB, default with follow auto <= 1.0x of safetensors 0.7",
+            value,
+            1.0,
+            "x",
+            details,
         )
-    return out
+
+    return _per_destination(document, ZERO_SEVEN_DESTS, one)
 
 
 def default_vs_08(document: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for dest in ("disk", "shm"):
-        if dest not in document["summary"]:
-            continue
+    def one(dest: str) -> dict[str, Any]:
         value, details = _worst(document, dest, "ss-sync-nofsync", "st08")
         with_fsync, fsync_details = _worst(document, dest, "ss-sync", "st08")
         if with_fsync is not None:
             details.append("default fsync on, against 0.8 without: " + ", ".join(fsync_details))
-        out.append(
-            _target(
-                f"issue 13: {dest}, safestage <= 1.05x of safetensors 0.8, like for like (fsync off; worst workload)",
-                value,
-                1.05,
-                "x",
-                details,
-            )
+        return _target(
+            f"issue 13: {dest}, safestage <= 1.05x of safetensors 0.8, like for like (fsync off; worst workload)",
+            value,
+            1.05,
+            "x",
+            details,
         )
-    return out
+
+    return _per_destination(document, ("disk", "shm"), one)
 
 
 def follow_bound(document: dict[str, Any]) -> list[dict[str, Any]]:
