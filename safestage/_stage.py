@@ -153,10 +153,12 @@ class StagingArea:
                 fd = open_directory(candidate)
                 claim(fd, candidate)
             except (FileNotFoundError, Contended):
-                # A sweeper in another PID namespace took it before we locked it: the one
-                # holding it removes it; a fresh name for us.
-                if fd is not None:
-                    close_quietly(fd)
+                # A sweeper got to it before we locked it: one in another PID namespace
+                # removes it, but one that sees our pid alive (another thread's activation
+                # sweeping) keeps it and lets go. Either way a fresh name for us, and the
+                # empty directory we made goes (CI of stop 16 found it left behind).
+                with deferred():
+                    _drop_abandoned(candidate, fd)
                 continue
             except BaseException as exc:
                 with deferred():
@@ -168,6 +170,19 @@ class StagingArea:
                 raise
             return PrivateDir(candidate, fd)
         raise StagingError(errno.EEXIST, f"safestage could not find a free staging name under {self.root}", str(self.root))
+
+
+def _drop_abandoned(candidate: Path, fd: Optional[int]) -> None:
+    """Remove the empty private directory we made and could not lock, if it is still ours
+    (the same inode); rmdir never removes anything a save put there."""
+    try:
+        if fd is not None and os.path.samestat(os.fstat(fd), os.lstat(candidate)):
+            os.rmdir(candidate)
+    except OSError as exc:
+        log.debug("could not remove the abandoned staging directory %s: %s", candidate, exc)
+    finally:
+        if fd is not None:
+            close_quietly(fd)
 
 
 def _sweep_dead(root: Path) -> None:

@@ -551,3 +551,42 @@ def test_a_stage_closed_by_another_thread_mid_save_still_publishes_completely(
         assert [r.destination for r in handle.records] == [dest]
         assert os.listdir(slow.path) == ["model.safetensors"]
     assert os.listdir(shm_root) == []
+
+
+# -- a sweep in another activation looking at a private directory just made ---------------------
+
+
+def test_a_private_dir_locked_by_a_sweep_before_its_owner_is_not_left_behind(tmp_path, shm_root, monkeypatch):
+    """CI of stop 16: one thread's activation swept the staging root (``_sweep_dead``) while
+    another thread's save had just made its private directory and not yet locked it. The
+    sweep took the lock, found the owner (this very process) alive and kept the directory;
+    the save, finding it locked, moved on to a fresh name, and the first directory stayed in
+    the root for good. Here the sweep's lock window is reproduced with a real flock."""
+    import fcntl
+
+    from safestage import _stage
+
+    real_claim = _stage.claim
+    swept: list[Path] = []
+
+    def claim_after_a_sweep_looked(fd: int, path: Path) -> bool:
+        if not swept:  # the first private dir only: a sweep holds its lock at that moment
+            swept.append(path)
+            sweeper = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(sweeper, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return real_claim(fd, path)  # Contended: the sweep holds it
+            finally:
+                os.close(sweeper)  # the sweep saw pid alive, kept it and let go
+        return real_claim(fd, path)
+
+    directory = tmp_path / "dest"
+    directory.mkdir()
+    with safestage.staged(shm_root) as stage:
+        monkeypatch.setattr(_stage, "claim", claim_after_a_sweep_looked)  # after its own probe
+        save_file(version(1, 4096), str(directory / "m.safetensors"))
+    assert swept, "the sweep's lock window never happened"
+    assert [r.destination.name for r in stage.records] == ["m.safetensors"]
+    assert equal(load_file(str(directory / "m.safetensors")), version(1, 4096))
+    assert os.listdir(directory) == ["m.safetensors"]
+    assert os.listdir(shm_root) == [], "the private directory the sweep looked at was left behind"
