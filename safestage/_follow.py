@@ -56,6 +56,11 @@ class WriterFailed(Exception):
     """Internal: the writer raised; the follow copy is abandoned (its target removed)."""
 
 
+class NotFollowed(Exception):
+    """Internal: a direct publish cannot follow the writer because the final name exists (an
+    overwrite): it runs the ordinary way once the writer has returned."""
+
+
 class FollowMismatch(Exception):
     """Internal: the bytes copied while following are not the staged file's bytes (or the
     writer's file could not be followed to its end): the staged file is copied again."""

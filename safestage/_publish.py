@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol, Union
 
 from ._errors import PublishError
-from ._follow import Follower, Reader
+from ._follow import Follower, NotFollowed, Reader
 from ._interrupts import deferred
 from ._locks import Contended, claim, close_quietly
 from ._mounts import capabilities, filesystem_key
@@ -594,6 +594,8 @@ def _direct_locked(
     digest: Optional[Digest],
     follow: Optional[Follower] = None,
 ) -> int:
+    if follow is not None:
+        return _direct_new_file(staged, dest, mode=mode, fsync=fsync, previous=previous, digest=digest, follow=follow)
     is_link = os.path.islink(dest)
     if previous is not None and not is_link:
         _refuse_special_file(dest, previous)
@@ -624,6 +626,66 @@ def _direct_locked(
         raise
     aside.discard()
     return nbytes
+
+
+def _direct_new_file(
+    staged: Path,
+    dest: Path,
+    *,
+    mode: int,
+    fsync: bool,
+    previous: Optional[os.stat_result],
+    digest: Optional[Digest],
+    follow: Follower,
+) -> int:
+    """A followed direct write: only of a file that does not exist yet, created with O_EXCL,
+    so the final name written while the writer still writes is ours alone. If the writer
+    fails, the copy fails or the save is interrupted, our file is removed, and only if the
+    final name is still our inode: whatever another save put there meanwhile stays (review
+    4 found a failed followed write deleting another save's file). An existing file raises
+    NotFollowed: an overwrite is published the ordinary way once the writer has returned, so
+    a writer failing mid-file never costs the old file its bytes."""
+    if previous is not None or os.path.lexists(dest):
+        raise NotFollowed(f"{dest} exists")
+    ours: list[os.stat_result] = []
+
+    def prepare(fd: int) -> None:
+        ours.append(os.fstat(fd))
+        _regular_and_blocking(fd)
+
+    try:
+        return copy_to_new_file(
+            staged, dest, flags=os.O_CREAT | os.O_EXCL, mode=mode, fsync=fsync,
+            prepare=prepare, digest=digest, follow=follow,
+        )  # fmt: skip
+    except _StepFailed as failed:
+        if failed.step == "create" and failed.error.errno == errno.EEXIST:
+            raise NotFollowed(f"{dest} appeared before the followed write") from failed.error
+        with deferred():  # "removed": no incomplete file of ours is left under the name
+            failed.removed = _remove_if_ours(dest, ours) is not False
+        raise
+    except BaseException:
+        with deferred():
+            _remove_if_ours(dest, ours)
+        raise
+
+
+def _remove_if_ours(dest: Path, ours: list[os.stat_result]) -> Optional[bool]:
+    """Unlink ``dest`` if it is still the file we created (True), or None when there is
+    nothing of ours there; False when it is ours and could not be removed."""
+    if not ours:
+        return None
+    try:
+        now = os.lstat(dest)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("could not inspect %s to remove a partial write: %s", dest, exc)
+        return _best_effort_unlink(dest) is None  # cannot tell, and it is most likely ours
+    if not os.path.samestat(now, ours[0]):
+        log.debug("%s is no longer the file this save created: left alone", dest)
+        return None
+    return _best_effort_unlink(dest) is None
 
 
 class _Aside:

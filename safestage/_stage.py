@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from ._config import Settings
 from ._errors import PublishError, StagingError
-from ._follow import FOLLOW_MIN_BYTES, Follower, FollowMismatch, WriterFailed
+from ._follow import FOLLOW_MIN_BYTES, Follower, FollowMismatch, NotFollowed, WriterFailed
 from ._interrupts import deferred
 from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
@@ -380,10 +380,12 @@ def follow_strategy(
     settings: Settings, dest: Path, area: StagingArea, needs: Optional[int] = None
 ) -> Optional[str]:
     """The strategy a followed save of ``dest`` would publish with, or None where following
-    does not apply. Only ``replace``: its temp is ours alone (O_EXCL), so a writer failing
-    mid-file costs nothing but that temp. A rename needs the whole file, and ``direct``
-    writes the final name, which another save may publish between any check made here and
-    the open (a failed followed write would then delete that save's file). A save known to
+    does not apply. ``replace``: its temp is ours alone (O_EXCL), so a writer failing
+    mid-file costs nothing but that temp. ``direct`` only for a new file: the final name is
+    created with O_EXCL when the copy starts, and removed only while it is still that inode
+    (an existing file, or one another save publishes before our open, is published after
+    the writer, as without following: _publish._direct_new_file). A rename needs the whole
+    file. A save known to
     be smaller than FOLLOW_MIN_BYTES is not followed: there is nothing to overlap. A save of
     unknown size (torch.save) only with follow=True; the default (None, "auto") follows only
     what it knows to be big."""
@@ -395,7 +397,9 @@ def follow_strategy(
     elif needs < FOLLOW_MIN_BYTES:
         return None
     strategy = planned_strategy(settings.publish, dest, area.device)
-    return strategy if strategy == "replace" else None
+    if strategy == "direct" and os.path.lexists(dest):
+        return None  # an overwrite: never followed (_publish._direct_new_file)
+    return strategy if strategy in ("replace", "direct") else None
 
 
 def write_following(
@@ -475,6 +479,9 @@ def write_following(
         # ordinary publish would meet, not a reason to copy everything again.
         keep_unpublished(item, result)
         raise _naming_the_kept_copy(result, item)
+    if isinstance(result, NotFollowed):  # an overwrite by direct: published after the writer
+        log.debug("%s: not followed (%s); publishing the complete staged file", dest, result)
+        return publish_staged(item, settings, area, copy=True)
     if not isinstance(result, Published):
         log.warning(
             "%s: the copy made while serializing could not be used (%s: %s); publishing the "
