@@ -1,0 +1,228 @@
+"""Review 7: failing tests against followed ``direct`` saves of new files (2a467b1) and the
+abandoned private staging directory fix (f079306).
+
+Every test here fails on the code under review; each docstring says what the user loses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["local-direct", "kit-mountpoint"])
+def direct_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A destination published to by ``direct``: local disk with publish="direct", or the
+    kit's mountpoint (no rename: auto picks direct)."""
+    if request.param == "local-direct":
+        directory = tmp_path / "dest"
+        directory.mkdir()
+        yield directory, "direct"
+        return
+    mount = request.getfixturevalue("kit_mounts")["mountpoint"]
+    directory = Path(mount.path) / f"t-{uuid.uuid4().hex[:10]}"
+    directory.mkdir()
+    yield directory, "auto"
+    shutil.rmtree(Path(mount.backing) / directory.name, ignore_errors=True)
+
+
+# A writer that writes a real safetensors file (tensors A) sequentially, slowly, then fixes it
+# up in place with pwrite into its final content (tensors B, same shapes): the non-append-only
+# writer the CRC read-back exists for. The follower copies A while it is written; the read-back
+# mismatches; the followed copy is abandoned. The child is SIGKILLed at that moment (the
+# abandon's clean-up): where a kill leaves the destination is what the test looks at.
+_MISMATCH_CHILD = r'''
+import os, signal, sys, time
+sys.path.insert(0, {repo!r})
+import torch
+from safetensors.torch import save
+import safestage
+from safestage import _publish
+from safestage._follow import FollowMismatch
+
+root, dest, publish = sys.argv[1], sys.argv[2], sys.argv[3]
+a = {{"w": torch.full((1 << 20,), 1.0)}}     # 4 MiB of 1.0
+b = {{"w": torch.full((1 << 20,), 2.0)}}     # the final content: 2.0
+bytes_a, bytes_b = save(a), save(b)
+assert len(bytes_a) == len(bytes_b)
+
+def write(path):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        step = 256 << 10
+        for offset in range(0, len(bytes_a), step):
+            time.sleep(0.01)
+            os.write(fd, bytes_a[offset:offset + step])
+        time.sleep(0.2)  # the follower has copied all of it by now
+        os.pwrite(fd, bytes_b, 0)  # fix-up in place: the final file is B
+    finally:
+        os.close(fd)
+
+real = _publish._remove_if_ours
+
+def killed_while_abandoning(path, ours):
+    kind = type(sys.exc_info()[1]).__name__
+    print("ABANDON", kind, os.path.getsize(path) if os.path.exists(path) else -1, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+_publish._remove_if_ours = killed_while_abandoning
+with safestage.staged(root, follow=True, publish=publish) as stage:
+    stage._save(write, __import__("pathlib").Path(dest))
+print("RETURNED", flush=True)
+'''
+
+
+def test_sigkill_while_a_mismatched_followed_direct_copy_is_abandoned_leaves_a_loadable_wrong_file(
+    direct_dir, shm_root, tmp_path
+):
+    """A followed ``direct`` copy writes the final name itself, and the CRC read-back that
+    proves the followed bytes are the staged bytes runs only once the copy has written every
+    byte: the unverified bytes are complete under the final name before the check (and on an
+    object store, the close in the abandon path commits them as the object). A process killed
+    there (or a reader of the mount) gets a full-size, valid safetensors file with bytes the
+    writer overwrote: it loads, with the wrong values. The README promises for a kill under
+    ``direct``: old, new, or a file safetensors refuses to load, "never loads with wrong data";
+    before this change (replace-only following) a mismatch only ever cost a hidden temp."""
+    from safetensors.torch import load_file
+
+    directory, publish = direct_dir
+    dest = directory / "model.safetensors"
+    script = tmp_path / "child.py"
+    script.write_text(_MISMATCH_CHILD.format(repo=str(REPO)))
+    run = subprocess.run(
+        [sys.executable, str(script), str(shm_root), str(dest), publish],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert run.returncode == -signal.SIGKILL, (run.returncode, run.stdout, run.stderr)
+    assert "ABANDON FollowMismatch" in run.stdout, run.stdout + run.stderr  # the fault fired
+    if not dest.exists():
+        return  # nothing under the name: allowed
+    try:
+        loaded = load_file(str(dest))
+    except Exception:
+        return  # refused to load: allowed
+    values = set(loaded["w"].unique().tolist())
+    assert values == {2.0}, (
+        f"{dest} loads after the kill, with values {values}: bytes the writer overwrote "
+        "(1.0), not the save's final content (2.0)"
+    )
+
+
+def test_writer_failing_before_its_first_byte_leaves_an_empty_object_when_a_fork_holds_the_copy(
+    kit_mounts, shm_root, tmp_path, caplog
+):
+    """The followed ``direct`` copy creates the final name the moment the save starts, before
+    the writer has written (or validated) anything. A process forked meanwhile (a DataLoader
+    worker, a launcher: the README's own fork case) inherits that descriptor. If the writer
+    then raises before its first byte (a safetensors validation error, a Ctrl-C), our close
+    does not complete the empty upload (mountpoint-s3 completes an empty file's upload only
+    when its last reference goes), so the clean-up's unlink is refused ("cannot delete a file
+    while it is being written") and the save raises the writer's error while an empty object
+    stays under the final name, published as soon as the child exits. Promised: a writer that
+    raises leaves the destination untouched; never a torn file under the final name after a
+    save raises. Without following, nothing at all was created before the writer returned."""
+    import logging
+    import threading
+    import time
+
+    import safestage
+
+    mount = kit_mounts["mountpoint"]
+    directory = Path(mount.path) / f"t-{uuid.uuid4().hex[:10]}"
+    directory.mkdir()
+    dest = directory / "model.safetensors"
+    children: list[int] = []
+
+    def write(path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            deadline = time.monotonic() + 10
+            while not os.path.lexists(dest) and time.monotonic() < deadline:
+                time.sleep(0.005)  # the follower creates the final name at once
+            assert os.path.lexists(dest), "the followed copy never created the final name"
+            pid = os.fork()  # e.g. a DataLoader worker started while the save runs
+            if pid == 0:
+                time.sleep(2)
+                os._exit(0)
+            children.append(pid)
+            raise ValueError("writer failed before writing anything")
+        finally:
+            os.close(fd)
+
+    caplog.set_level(logging.DEBUG, logger="safestage")
+    try:
+        with safestage.staged(shm_root, follow=True) as stage, pytest.raises(ValueError):
+            stage._save(write, dest)
+        left = sorted(os.listdir(directory))
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        for pid in children:
+            os.waitpid(pid, 0)
+        shutil.rmtree(Path(mount.backing) / directory.name, ignore_errors=True)  # type: ignore[attr-defined]
+    assert children, "no fork happened: the scenario did not run"
+    assert left == [], f"the save raised, yet {left} is left under the destination ({warnings})"
+
+
+CHUNK = 1 << 20
+CHUNKS = 12
+
+
+def _slow_writer(delay: float = 0.03):
+    """Like safetensors 0.8: a sibling .tmpXXXXXX preallocated, one write per 1 MiB chunk,
+    renamed at the end (the staged name exists only once the writer is done)."""
+    import time
+
+    def write(path: str) -> None:
+        target = os.path.join(os.path.dirname(path), ".tmpAbC123")
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, CHUNK * CHUNKS)
+            for index in range(CHUNKS):
+                time.sleep(delay)
+                os.write(fd, bytes([index + 1]) * CHUNK)
+        finally:
+            os.close(fd)
+        os.replace(target, path)
+
+    return write
+
+
+def test_followed_direct_destination_full_error_says_what_happened(small_tmpfs, shm_root):
+    """A followed ``direct`` save of a new 12 MiB file onto a 2 MiB filesystem: the copy
+    fails (real ENOSPC) while the writer still writes, and the complete staged copy is kept.
+    The PublishError the user gets must say what every other PublishError says: the
+    destination and step, what to do, that nothing torn is left under the final name, and
+    where the complete copy is kept. It says only "No space left on device":
+    ``_naming_the_kept_copy`` rebuilds the error from ``error.strerror``, which for
+    safestage's errors is os.strerror(errno), not the message; the whole explanation,
+    including the path of the only complete copy, is thrown away (``staged_path`` is set,
+    the text a user reads in a log is not). Every followed direct save whose destination
+    fails while the writer writes (full, read-only, EPERM on an object store's second
+    writer, a vanished directory) now ends like this."""
+    import safestage
+
+    dest = small_tmpfs / "model.safetensors"
+    with safestage.staged(shm_root, follow=True, publish="direct") as stage:
+        with pytest.raises(safestage.PublishError) as info:
+            stage._save(_slow_writer(), dest)
+    error = info.value
+    assert error.errno == 28, error  # the fault fired: a real ENOSPC from the destination
+    assert error.staged_path is not None and os.path.exists(error.staged_path)
+    assert os.listdir(small_tmpfs) == []
+    text = str(error)
+    assert str(dest) in text and error.staged_path in text and "direct" in text, (
+        f"the PublishError reads only {text!r}: no destination, no step, no advice, no word "
+        f"of what is under {dest}, and not where the complete copy ({error.staged_path}) is kept"
+    )
