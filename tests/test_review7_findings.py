@@ -226,3 +226,81 @@ def test_followed_direct_destination_full_error_says_what_happened(small_tmpfs, 
         f"the PublishError reads only {text!r}: no destination, no step, no advice, no word "
         f"of what is under {dest}, and not where the complete copy ({error.staged_path}) is kept"
     )
+
+
+_OTHER_SAVER = r'''
+import sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+import safestage
+
+def write(path):
+    with open(path, "wb") as f:
+        for index in range({chunks}):
+            f.write(bytes([200 + index]) * {chunk})
+
+with safestage.staged(sys.argv[1], publish="direct", follow=False) as stage:
+    stage._save(write, Path(sys.argv[2]))
+print("OTHER SAVED", stage.records[-1].strategy, flush=True)
+'''
+
+
+def test_a_direct_save_from_another_process_during_a_followed_one_ends_in_a_torn_file_both_reporting_success(
+    tmp_path, shm_root
+):
+    """Two processes save the same new file with ``direct`` on a POSIX filesystem (two
+    ranks writing the same shard, a retried job and its zombie). The followed save creates
+    the final name at the start of its serialization and writes it for as long as the
+    writer runs; the other save, starting meanwhile, sees an existing file (so it does not
+    follow), opens it O_TRUNC -- the same inode -- writes its whole file and returns. The
+    followed copy then goes on writing its tail at its own offset into that inode. Both
+    saves return success, both verify the size, and the file under the final name is the
+    other save's head and our tail: neither save's bytes. Before this change the name did
+    not exist until the writer had returned, and the overlap window was one copy, not the
+    whole serialization. Promised: never a torn file under the final name after a save
+    returns, never a silent success."""
+    import safestage
+
+    directory = tmp_path / "dest"
+    directory.mkdir()
+    dest = directory / "model.safetensors"
+    other_root = tmp_path / "other-root"
+    other_root.mkdir()
+    script = tmp_path / "other.py"
+    script.write_text(_OTHER_SAVER.format(repo=str(REPO), chunks=CHUNKS, chunk=CHUNK))
+    other: list[str] = []
+    import time
+
+    def write(path: str) -> None:
+        target = os.path.join(os.path.dirname(path), ".tmpAbC123")
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, CHUNK * CHUNKS)
+            for index in range(CHUNKS):
+                time.sleep(0.03)
+                os.write(fd, bytes([index + 1]) * CHUNK)
+                if index == 3:
+                    time.sleep(0.2)  # our followed copy has written chunks 0-3 into dest
+                    assert os.path.getsize(dest) > 0, "the followed copy was not writing yet"
+                    run = subprocess.run(
+                        [sys.executable, str(script), str(other_root), str(dest)],
+                        capture_output=True, text=True, timeout=120,
+                    )  # fmt: skip
+                    other.append(run.stdout + run.stderr)
+        finally:
+            os.close(fd)
+        os.replace(target, path)
+
+    with safestage.staged(shm_root, follow=True, publish="direct") as stage:
+        stage._save(write, dest)  # returns: success
+    assert other and "OTHER SAVED direct" in other[0], other  # the other save succeeded too
+    assert [r.strategy for r in stage.records] == ["direct"]
+    ours = b"".join(bytes([i + 1]) * CHUNK for i in range(CHUNKS))
+    theirs = b"".join(bytes([200 + i]) * CHUNK for i in range(CHUNKS))
+    data = dest.read_bytes()
+    heads = [data[i * CHUNK] for i in range(CHUNKS)]
+    whole = heads in (list(range(1, CHUNKS + 1)), list(range(200, 200 + CHUNKS)))
+    assert whole and data in (ours, theirs), (
+        f"both saves returned success, and {dest} holds neither: chunk first bytes {heads} "
+        "(1-12 are ours, 200-211 the other save's)"
+    )
