@@ -24,7 +24,7 @@ from typing import Optional
 
 log = logging.getLogger("safestage")
 
-_BUSY = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
+BUSY = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
 
 
 class Contended(Exception):
@@ -41,7 +41,7 @@ def claim(fd: int, path: Path) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        if exc.errno in _BUSY:
+        if exc.errno in BUSY:
             raise Contended(str(path)) from exc
         log.debug("no flock on %s: %s", path, exc)
         return False
@@ -83,7 +83,7 @@ def taken(path: Path, *, directory: bool) -> Iterator[Optional[bool]]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            yield False if exc.errno in _BUSY else None
+            yield False if exc.errno in BUSY else None
             return
         yield True
     finally:

@@ -37,7 +37,7 @@ from typing import Callable, Optional, Protocol, Union
 from ._errors import PublishError
 from ._follow import Follower, NotFollowed, Reader
 from ._interrupts import deferred
-from ._locks import Contended, claim, close_quietly
+from ._locks import BUSY, Contended, claim, close_quietly
 from ._mounts import capabilities, filesystem_key
 from ._names import temp_name
 
@@ -248,12 +248,23 @@ def _copy_from(
     prepare: Optional[Callable[[int], None]],
     digest: Optional[Digest],
 ) -> int:
+    # expected < 0: a followed file (_follow), whose size is known only at its end. Its copy
+    # creates the target only once the writer has written something (a writer failing before
+    # its first byte leaves nothing to clean up), and holds back one chunk until the reader's
+    # end of file, which comes only after the read-back check: until the check has passed, the
+    # target is short of its last chunk, so a process killed while a mismatched copy is
+    # abandoned never leaves a complete file of unchecked bytes (under `direct`, the final
+    # name): safetensors refuses a file shorter than its header announces (review 7).
+    followed = expected < 0
+    buffer = bytearray(chunk_bytes if followed else min(chunk_bytes, max(expected, 1)))
+    pending = _read_chunk(src, buffer, source) if followed else 0
     step = "create"
     try:
         out_fd = os.open(target, os.O_WRONLY | os.O_CLOEXEC | flags, mode)
     except OSError as exc:
         raise _StepFailed(step, exc, target) from exc
     unclosed: Optional[int] = out_fd
+    _outputs.add(out_fd)
     copied = 0
     step = "prepare"  # from here on the target exists (and O_TRUNC has emptied it)
     try:
@@ -263,20 +274,18 @@ def _copy_from(
         step = "write"
         if hasattr(os, "posix_fadvise") and isinstance(src, io.FileIO):
             os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        # expected < 0: a followed file, whose size is known only at its end
-        buffer = bytearray(chunk_bytes if expected < 0 else min(chunk_bytes, max(expected, 1)))
-        view = memoryview(buffer)
-        while True:
-            try:
-                count = src.readinto(buffer) or 0
-            except OSError as exc:  # the staging side failed, not the destination
-                raise _StepFailed("read", exc, source) from exc
-            if not count:
-                break
-            if digest is not None:
-                digest.update(view[:count])
-            write_all(out_fd, view[:count])
-            copied += count
+        if followed:
+            spare = bytearray(len(buffer))
+            while pending:
+                count = _read_chunk(src, spare, source)  # blocks on the writer; 0 once checked
+                _write_chunk(out_fd, memoryview(buffer)[:pending], digest)
+                copied += pending
+                buffer, spare, pending = spare, buffer, count
+        else:
+            view = memoryview(buffer)
+            while count := _read_chunk(src, buffer, source):
+                _write_chunk(out_fd, view[:count], digest)
+                copied += count
         if fsync:
             step = "fsync"
             os.fsync(out_fd)
@@ -284,14 +293,37 @@ def _copy_from(
         # only here, so an unchecked close is a silent data loss. Linux releases the fd even
         # when close() fails: never close it twice.
         step, unclosed = "close", None
+        _outputs.discard(out_fd)
         os.close(out_fd)
     except OSError as exc:
         raise _StepFailed(step, exc, target) from exc
     finally:
         if unclosed is not None:
             with deferred(), contextlib.suppress(OSError):  # the error in flight is the one to report
+                _outputs.discard(unclosed)
                 os.close(unclosed)
     return copied
+
+
+def _read_chunk(src: Union[io.FileIO, Reader], buffer: bytearray, source: Path) -> int:
+    try:
+        return src.readinto(buffer) or 0
+    except OSError as exc:  # the staging side failed, not the destination
+        raise _StepFailed("read", exc, source) from exc
+
+
+def _write_chunk(fd: int, data: memoryview, digest: Optional[Digest]) -> None:
+    if digest is not None:
+        digest.update(data)
+    write_all(fd, data)
+
+
+# Descriptors this process is writing a destination file through. A child forked meanwhile
+# (a DataLoader worker, a launcher) closes its copies at once: on an object store a
+# descriptor still open in another process keeps the upload open, and the publish could
+# neither finish nor remove its file (review 7: mountpoint refuses to unlink a file being
+# written). Only descriptor numbers: add and discard are atomic under the GIL.
+_outputs: set[int] = set()
 
 
 def _match_mode(fd: int, mode: int) -> None:
@@ -576,12 +608,52 @@ def _direct(
 ) -> tuple[int, Optional[str]]:
     """Write the final name itself: for destinations that cannot rename (#792). One direct
     publish of a given file at a time in this process: two would interleave their bytes."""
-    with _direct_lock(dest):
+    with _direct_lock(dest), _other_writers_done(dest if follow is None else None):
         hasher = digest() if digest is not None else None
         nbytes = _direct_locked(
             staged, dest, mode=mode, fsync=fsync, previous=previous, digest=hasher, follow=follow
         )
         return nbytes, hasher.hexdigest() if hasher is not None else None
+
+
+@contextlib.contextmanager
+def _other_writers_done(dest: Optional[Path]) -> Iterator[None]:
+    """Before a direct write over an existing ``dest``: wait until no other process of this
+    host is writing it, and hold it meanwhile. Every direct write holds a flock on the file
+    it writes (``_lock_what_we_write``); an O_TRUNC open in the middle of another process's
+    write would interleave the two files, both saves reporting success (review 7: a followed
+    write of a new file lasts the whole serialization). Where the file cannot be opened or
+    locked (a mount without locks), nothing is waited for, as before."""
+    fd: Optional[int] = None
+    if dest is not None:
+        with contextlib.suppress(OSError):
+            fd = os.open(dest, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        waited = False
+        while fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in BUSY:
+                    break  # no locks on this filesystem
+                if not waited:
+                    log.info("%s: waiting for another process's direct write of it to end", dest)
+                    waited = True
+                time.sleep(0.05)
+                continue
+            break
+        yield
+    finally:
+        if fd is not None:
+            close_quietly(fd)  # releases the lock once our write is closed
+
+
+def _lock_what_we_write(fd: int) -> None:
+    """A direct write holds a flock on its file while it writes (see _other_writers_done).
+    Best effort: busy means our own _other_writers_done holds this inode already."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
 
 
 def _direct_locked(
@@ -605,7 +677,7 @@ def _direct_locked(
         flags = os.O_CREAT | os.O_EXCL
     try:
         nbytes = copy_to_new_file(
-            staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=_regular_and_blocking,
+            staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=_prepare_direct,
             before_create=aside.clear_the_name, digest=digest, follow=follow,
         )  # fmt: skip
     except BaseException as exc:
@@ -618,7 +690,7 @@ def _direct_locked(
             # filesystem has already truncated it. Keep the final name only if it is still
             # that old file, and put back a file moved aside.
             unchanged = not aside.cleared and _unchanged(dest, previous)
-            removed = None if unchanged else _best_effort_unlink(dest) is None
+            removed = None if unchanged else _unlink_torn(dest)
             restored = aside.restore() if removed else False
             if isinstance(exc, _StepFailed):
                 exc.removed = None if restored else removed
@@ -651,7 +723,7 @@ def _direct_new_file(
 
     def prepare(fd: int) -> None:
         ours.append(os.fstat(fd))
-        _regular_and_blocking(fd)
+        _prepare_direct(fd)
 
     try:
         return copy_to_new_file(
@@ -685,7 +757,30 @@ def _remove_if_ours(dest: Path, ours: list[os.stat_result]) -> Optional[bool]:
     if not os.path.samestat(now, ours[0]):
         log.debug("%s is no longer the file this save created: left alone", dest)
         return None
-    return _best_effort_unlink(dest) is None
+    return _unlink_torn(dest)
+
+
+def _unlink_torn(dest: Path) -> bool:
+    """Remove a torn file a direct publish wrote under the final name; True if it is gone.
+    A refusal is retried for a moment: a child forked during the copy holds our descriptor
+    until its fork handler closes it (_outputs), and until then mountpoint refuses to unlink
+    a file being written (EPERM)."""
+    deadline = time.monotonic() + _UNLINK_PATIENCE_S
+    while True:
+        try:
+            os.unlink(dest)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
+            log.warning("could not remove %s: %s", dest, exc)
+            return False
+        return True
+
+
+_UNLINK_PATIENCE_S = 1.0
 
 
 class _Aside:
@@ -771,6 +866,11 @@ def _refuse_special_file(dest: Path, previous: os.stat_result) -> None:
                 "(a plain safetensors save and publish='replace' replace it with a regular file)"
             )
             raise failed
+
+
+def _prepare_direct(fd: int) -> None:
+    _regular_and_blocking(fd)
+    _lock_what_we_write(fd)
 
 
 def _regular_and_blocking(fd: int) -> None:
@@ -926,6 +1026,10 @@ def kept_copy_text(kept: Optional[Path]) -> str:
 def _after_fork_in_child() -> None:
     # Locks a thread of the parent held at fork() would never be released here.
     global _direct_locks_guard, _umask_lock
+    for fd in list(_outputs):  # the parent's publishes: not ours to hold open (_outputs)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _outputs.clear()
     _direct_locks.clear()
     _direct_locks_guard = threading.Lock()
     _umask_lock = threading.Lock()

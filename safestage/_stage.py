@@ -515,7 +515,9 @@ def _naming_the_kept_copy(error: PublishError, item: StagedFile) -> PublishError
     (review 6)."""
     if error.staged_path is not None or not item.path.exists():
         return error
-    message = (error.strerror or "").replace(kept_copy_text(None), kept_copy_text(item.path))
+    message = error.message.replace(kept_copy_text(None), kept_copy_text(item.path))
+    if message == error.message:  # the sentence was not there to swap: say it anyway
+        message = f"{message} {kept_copy_text(item.path)}"
     named = PublishError(
         error.errno, message, error.filename, staged_path=str(item.path), step=error.step
     )

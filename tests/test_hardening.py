@@ -8,7 +8,6 @@ the exit status and stderr.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import errno
 import json
@@ -211,14 +210,17 @@ def test_a_child_forked_mid_publish_neither_hangs_nor_waits_for_the_parent(mount
 
 
 def _interrupt_when_growing(path_of: Any, stop: threading.Event) -> threading.Thread:
-    """Raise KeyboardInterrupt in the main thread once the file ``path_of()`` holds bytes:
-    what Ctrl-C does to a process copying a checkpoint."""
+    """SIGINT to this process once the file ``path_of()`` holds bytes: what Ctrl-C does to a
+    process copying a checkpoint. A real signal, not _thread.interrupt_main(): the kernel
+    gives a process-directed signal to the main thread, whose blocking waits (the saving
+    thread waiting for a followed copy) it interrupts; interrupt_main() only sets a flag
+    that a thread blocked in a lock never looks at until the wait ends."""
 
     def watch() -> None:
         while not stop.is_set():
             target = path_of()
             if target is not None and target.exists() and target.stat().st_size > 0:
-                _thread.interrupt_main()
+                os.kill(os.getpid(), signal.SIGINT)
                 return
             time.sleep(0.001)
 

@@ -120,21 +120,22 @@ def test_sigkill_while_a_mismatched_followed_direct_copy_is_abandoned_leaves_a_l
     )
 
 
-def test_writer_failing_before_its_first_byte_leaves_an_empty_object_when_a_fork_holds_the_copy(
-    kit_mounts, shm_root, tmp_path, caplog
+@pytest.mark.parametrize("first_bytes", [0, 2 << 20])
+def test_writer_failing_while_a_fork_holds_the_followed_copy_leaves_nothing(
+    kit_mounts, shm_root, tmp_path, caplog, first_bytes
 ):
-    """The followed ``direct`` copy creates the final name the moment the save starts, before
-    the writer has written (or validated) anything. A process forked meanwhile (a DataLoader
-    worker, a launcher: the README's own fork case) inherits that descriptor. If the writer
-    then raises before its first byte (a safetensors validation error, a Ctrl-C), our close
-    does not complete the empty upload (mountpoint-s3 completes an empty file's upload only
-    when its last reference goes), so the clean-up's unlink is refused ("cannot delete a file
-    while it is being written") and the save raises the writer's error while an empty object
-    stays under the final name, published as soon as the child exits. Promised: a writer that
-    raises leaves the destination untouched; never a torn file under the final name after a
-    save raises. Without following, nothing at all was created before the writer returned."""
+    """The followed ``direct`` copy writes the final name while the writer writes. A process
+    forked meanwhile (a DataLoader worker, a launcher) inherits its descriptor; then the
+    writer raises. On mountpoint a descriptor still open in another process keeps the upload
+    open: our close does not end it, the clean-up's unlink is refused ("cannot delete a file
+    while it is being written"), and the save raises while a torn object stays under the
+    final name. Promised: a writer that raises leaves the destination untouched.
+
+    Found with the name created before the writer's first byte (``first_bytes=0``: the copy
+    now creates it only once there are bytes, so then nothing exists to fork); with bytes
+    written first, the fork really holds the final name's descriptor, which the child now
+    closes at once (``_publish._outputs``)."""
     import logging
-    import threading
     import time
 
     import safestage
@@ -144,26 +145,29 @@ def test_writer_failing_before_its_first_byte_leaves_an_empty_object_when_a_fork
     directory.mkdir()
     dest = directory / "model.safetensors"
     children: list[int] = []
+    existed: list[bool] = []
 
     def write(path: str) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            deadline = time.monotonic() + 10
+            if first_bytes:
+                os.write(fd, b"\x01" * first_bytes)
+            deadline = time.monotonic() + (5 if first_bytes else 1)
             while not os.path.lexists(dest) and time.monotonic() < deadline:
-                time.sleep(0.005)  # the follower creates the final name at once
-            assert os.path.lexists(dest), "the followed copy never created the final name"
+                time.sleep(0.005)
+            existed.append(os.path.lexists(dest))
             pid = os.fork()  # e.g. a DataLoader worker started while the save runs
             if pid == 0:
                 time.sleep(2)
                 os._exit(0)
             children.append(pid)
-            raise ValueError("writer failed before writing anything")
+            raise ValueError("writer failed")
         finally:
             os.close(fd)
 
     caplog.set_level(logging.DEBUG, logger="safestage")
     try:
-        with safestage.staged(shm_root, follow=True) as stage, pytest.raises(ValueError):
+        with safestage.staged(shm_root, follow=True, publish="direct") as stage, pytest.raises(ValueError):
             stage._save(write, dest)
         left = sorted(os.listdir(directory))
         warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -172,7 +176,9 @@ def test_writer_failing_before_its_first_byte_leaves_an_empty_object_when_a_fork
             os.waitpid(pid, 0)
         shutil.rmtree(Path(mount.backing) / directory.name, ignore_errors=True)  # type: ignore[attr-defined]
     assert children, "no fork happened: the scenario did not run"
+    assert existed == [bool(first_bytes)], "the final name was (not) being written when the fork came"
     assert left == [], f"the save raised, yet {left} is left under the destination ({warnings})"
+    assert warnings == []
 
 
 CHUNK = 1 << 20
@@ -239,7 +245,10 @@ def write(path):
         for index in range({chunks}):
             f.write(bytes([200 + index]) * {chunk})
 
+import logging
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 with safestage.staged(sys.argv[1], publish="direct", follow=False) as stage:
+    Path(sys.argv[3]).touch()  # about to save
     stage._save(write, Path(sys.argv[2]))
 print("OTHER SAVED", stage.records[-1].strategy, flush=True)
 '''
@@ -268,7 +277,8 @@ def test_a_direct_save_from_another_process_during_a_followed_one_ends_in_a_torn
     other_root.mkdir()
     script = tmp_path / "other.py"
     script.write_text(_OTHER_SAVER.format(repo=str(REPO), chunks=CHUNKS, chunk=CHUNK))
-    other: list[str] = []
+    other: list[subprocess.Popen[str]] = []
+    ready = tmp_path / "other-ready"
     import time
 
     def write(path: str) -> None:
@@ -282,18 +292,26 @@ def test_a_direct_save_from_another_process_during_a_followed_one_ends_in_a_torn
                 if index == 3:
                     time.sleep(0.2)  # our followed copy has written chunks 0-3 into dest
                     assert os.path.getsize(dest) > 0, "the followed copy was not writing yet"
-                    run = subprocess.run(
-                        [sys.executable, str(script), str(other_root), str(dest)],
-                        capture_output=True, text=True, timeout=120,
-                    )  # fmt: skip
-                    other.append(run.stdout + run.stderr)
+                    # Started, not waited for: it runs while our save goes on (waiting for it
+                    # here would hold our writer, and so our followed write, forever).
+                    other.append(subprocess.Popen(
+                        [sys.executable, str(script), str(other_root), str(dest), str(ready)],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    ))  # fmt: skip
+                    deadline = time.monotonic() + 60
+                    while not ready.exists() and time.monotonic() < deadline:
+                        time.sleep(0.05)  # it imports torch meanwhile
+                    time.sleep(0.5)  # its publish reaches the file we are writing
         finally:
             os.close(fd)
         os.replace(target, path)
 
     with safestage.staged(shm_root, follow=True, publish="direct") as stage:
         stage._save(write, dest)  # returns: success
-    assert other and "OTHER SAVED direct" in other[0], other  # the other save succeeded too
+    assert other
+    output, _ = other[0].communicate(timeout=120)
+    assert "OTHER SAVED direct" in output, output  # the other save succeeded too
+    assert "waiting for another process's direct write" in output, output  # it met ours
     assert [r.strategy for r in stage.records] == ["direct"]
     ours = b"".join(bytes([i + 1]) * CHUNK for i in range(CHUNKS))
     theirs = b"".join(bytes([200 + i]) * CHUNK for i in range(CHUNKS))
