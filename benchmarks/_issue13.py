@@ -61,7 +61,7 @@ def default_vs_07(document: dict[str, Any]) -> list[dict[str, Any]]:
         if strategies:
             details.append(f"publish: {', '.join(sorted(set(strategies)))}")
         return _target(
-            f"issue 13: {dest}, safestage default (follow off, as run) <= 1.0x of safetensors 0.7 (worst workload)",
+            f"issue 13: {dest}, safestage default as run (ss-sync) <= 1.0x of safetensors 0.7 (worst workload)",
             value,
             1.0,
             "x",
