@@ -5,7 +5,7 @@ Started with ``sys.executable tests/crash_child.py``. Protocol: JSON lines on st
 on stdout (each written with a single write(2) below PIPE_BUF, so the forked savers' lines and
 the server's never interleave):
 
-- ``{"op": "trial", "dest", "root", "publish", "numel", "seed"}``: fork a saver. It builds its
+- ``{"op": "trial", "dest", "root", "publish", "numel", "seed", "follow"}``: fork a saver. It builds its
   tensors, activates staging (root probe included) and only then prints
   ``{"ready": pid}`` and blocks SIGUSR1: the test's kill window covers the save alone.
   On SIGUSR1 it saves once through safestage, prints ``{"done": pid, ...timings}`` and exits.
@@ -64,7 +64,9 @@ def _saver(request: dict[str, object], server_pid: int) -> None:
         import safestage
 
         tensors = make_tensors(int(request["numel"]), int(request["seed"]))  # type: ignore[arg-type]
-        stage = safestage.activate(str(request["root"]), publish=request["publish"], fsync=True)
+        stage = safestage.activate(
+            str(request["root"]), publish=request["publish"], fsync=True, follow=request.get("follow")
+        )
         _emit({"ready": os.getpid()})
         if signal.sigtimedwait({signal.SIGUSR1}, READY_TIMEOUT_S) is None:
             os._exit(3)

@@ -17,7 +17,8 @@ The phase each kill landed in is read from the leftovers (e.g. a partial temp fi
 during the copy) and counted, so the table shows the kills really spread over the save.
 
 Destinations: local disk (rename), /dev/shm -> disk (replace), the kit's hdfs (replace) and
-mountpoint (direct), and the real rclone-s3 and s3fs mounts (replace onto a local S3 server:
+mountpoint (direct; and direct of a new name each trial, followed: the final name is written
+while the writer writes, so old = "missing"), and the real rclone-s3 and s3fs mounts (replace onto a local S3 server:
 rclone uploads while it is written and renames by server-side copy + delete, s3fs uploads at
 fsync/close). The run's trials (``SAFESTAGE_CRASH_TRIALS``, default 250: about 3 minutes on 2
 shared cores) are shared by weight: a trial onto a real mount costs much more.
@@ -166,6 +167,7 @@ def run_save(
     numel: int,
     seed: int,
     delay: Optional[float],
+    follow: Optional[bool] = None,
 ) -> Result:
     """One saver process: save NEW over ``dest``; SIGKILL it ``delay`` s after the start."""
     server.send(
@@ -176,6 +178,7 @@ def run_save(
             "publish": publish,
             "numel": numel,
             "seed": seed,
+            "follow": follow,
         }
     )
     ready, _ = server.expect("ready")
@@ -204,6 +207,9 @@ class Destination:
     numel: int  # float32 elements of the NEW file's main tensor
     atomic: bool  # rename/replace: torn files are never visible
     real: bool = False  # a real rclone/s3fs mount: old files are planted through it
+    # A new name each trial, no old file, and follow=True: the followed direct write of a new
+    # file, which fills the final name while the writer still writes.
+    fresh: bool = False
 
 
 @dataclass
@@ -247,6 +253,7 @@ KINDS = [
     "shm-to-disk-replace",
     "hdfs-replace",
     "mountpoint-direct",
+    "mountpoint-followed-new",
     "rclone-s3-replace",
     "s3fs-replace",
 ]
@@ -257,6 +264,7 @@ WEIGHTS = {
     "shm-to-disk-replace": 8,
     "hdfs-replace": 8,
     "mountpoint-direct": 8,
+    "mountpoint-followed-new": 6,
     "rclone-s3-replace": 2,
     "s3fs-replace": 4,
 }
@@ -323,6 +331,11 @@ def _make_destination(kind: str, tmp_path: Path, request: pytest.FixtureRequest)
         return Destination(
             kind, directory, Path(mount.backing) / name, root, "auto", "replace", 4 << 20, True
         )
+    if kind == "mountpoint-followed-new":
+        return Destination(
+            kind, directory, Path(mount.backing) / name, root, "direct", "direct", 4 << 20, False,
+            fresh=True,
+        )  # fmt: skip
     assert kind == "mountpoint-direct"
     return Destination(
         kind, directory, Path(mount.backing) / name, root, "direct", "direct", 4 << 20, False
@@ -358,7 +371,7 @@ def _load_retrying(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def classify_destination(path: Path, old: dict[str, Any], new: dict[str, Any]) -> str:
+def classify_destination(path: Path, old: Optional[dict[str, Any]], new: dict[str, Any]) -> str:
     if not os.path.lexists(path):
         return "missing"
     try:
@@ -367,7 +380,7 @@ def classify_destination(path: Path, old: dict[str, Any], new: dict[str, Any]) -
         return "refused"  # safetensors saw the file is incomplete: not silently wrong data
     if _equal(loaded, new):
         return "new"
-    if _equal(loaded, old):
+    if old is not None and _equal(loaded, old):
         return "old"
     return "wrong"
 
@@ -456,8 +469,9 @@ def clean_and_check(
             # before its publish finished (checked below). Every other owner is dead.
             assert entry["kind"] == "staging-dir", entry
     tally.cleaned += dest_report["removed"] + root_report["removed"]
+    finals_there = [n for n in final_names if os.path.lexists(dest.directory / n)]  # fresh: or none
     assert sorted(os.listdir(dest.directory)) == sorted(
-        [*final_names, PLANTED, NEAR_MISS, LIVE_TEMP]
+        [*finals_there, PLANTED, NEAR_MISS, LIVE_TEMP]
     ), "clean must remove every temp of a dead saver and nothing else"
     assert (dest.directory / PLANTED).read_text() == "keep me"
     for name in os.listdir(dest.root):
@@ -532,13 +546,18 @@ REQUIRED_PHASES = {
 # cache streams each write to the server, so its copy is over in a few ms and the long part is
 # the close (the upload completes) before the replace: a temp of full size under its own name.
 REQUIRED_BY_DESTINATION = {
+    # Followed: the copy into the final name starts with the serialization, so a kill while
+    # serializing finds the final name partly written, which reads as "copying".
+    "mountpoint-followed-new": ("copying",),
     "rclone-s3-replace": ("copied-before-replace",),
     "s3fs-replace": ("copying",),
 }
 EXTRA_TRIALS = 24
 
 
-def _plant_old(dest: Destination, final: str, numel: int, *, seed: int) -> dict[str, Any]:
+def _plant_old(dest: Destination, final: str, numel: int, *, seed: int) -> Optional[dict[str, Any]]:
+    if dest.fresh:
+        return None  # a new name: nothing there before the save
     old = make_tensors(_old_numel(numel), 1000 + seed)
     if dest.real:
         # One sequential write of a new file: what rclone takes (save_file's ftruncate it refuses).
@@ -574,8 +593,9 @@ def _crash_trials(dest: Destination, server: ForkServer, trials: int) -> None:
         final = f"calibrate{index}.safetensors"
         _plant_old(dest, final, dest.numel, seed=500 + index)
         result = run_save(
-            server, dest.directory / final, dest.root, dest.publish, dest.numel, 500 + index, None
-        )
+            server, dest.directory / final, dest.root, dest.publish, dest.numel, 500 + index, None,
+            follow=True if dest.fresh else None,
+        )  # fmt: skip
         assert result.done is not None and result.done["strategy"] == dest.strategy, result
         assert _equal(_load_retrying(dest.directory / final), make_tensors(dest.numel, 500 + index))
         planner.observe(result.done)
@@ -603,8 +623,9 @@ def _crash_trials(dest: Destination, server: ForkServer, trials: int) -> None:
         old = _plant_old(dest, final, dest.numel, seed=index)
         new = make_tensors(dest.numel, index)
         result = run_save(
-            server, dest.directory / final, dest.root, dest.publish, dest.numel, index, delay
-        )
+            server, dest.directory / final, dest.root, dest.publish, dest.numel, index, delay,
+            follow=True if dest.fresh else None,
+        )  # fmt: skip
         completed = result.done is not None
         assert completed or result.signal == signal.SIGKILL, result
         seeds[result.pid] = index
@@ -619,6 +640,8 @@ def _crash_trials(dest: Destination, server: ForkServer, trials: int) -> None:
         log.append(f"trial {index}: kill at {delay * 1e3:.1f} ms -> {phase}, final name {outcome}")
         context = f"{log[-1]}\n{summary_table()}"
         allowed = {"old", "new"} if dest.atomic else {"old", "new", "refused"}
+        if dest.fresh:
+            allowed = {"missing", "new", "refused"}
         assert outcome in allowed, f"{dest.name}: the final name holds a {outcome} file; {context}"
         if completed:
             assert outcome == "new" and not left.temps and not left.stage_dirs, context
@@ -644,4 +667,4 @@ def _crash_trials(dest: Destination, server: ForkServer, trials: int) -> None:
 def _clean_batch(dest: Destination, seeds: dict[int, int], finals: list[str], tally: Tally) -> None:
     clean_and_check(dest, seeds, finals, tally)
     for name in finals:
-        (dest.backing / name).unlink()
+        (dest.backing / name).unlink(missing_ok=dest.fresh)
