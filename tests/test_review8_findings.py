@@ -270,3 +270,142 @@ def test_direct_save_onto_a_fifo_opens_it_waking_its_blocked_writer(tmp_path, sh
         f"the FIFO's blocked writer was released by safestage opening the FIFO (it printed "
         f"{out!r}, exit status {writer.returncode}): direct 'never opens one'"
     )
+
+
+def _descriptors_on(path_fd: int) -> list[int]:
+    """Access modes of this process's other descriptors open on the file ``path_fd`` is."""
+    mine = os.readlink(f"/proc/self/fd/{path_fd}")
+    modes = []
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) == path_fd:
+            continue
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != mine:
+                continue
+            with open(f"/proc/self/fdinfo/{name}", encoding="ascii") as info:
+                flags = int(info.read().split("flags:")[1].split()[0], 8)
+        except (OSError, IndexError, ValueError):
+            continue
+        modes.append(flags & os.O_ACCMODE)
+    return modes
+
+
+def test_direct_overwrite_on_mountpoint_keeps_a_reader_open_while_opening_the_writer(
+    kit_mounts, shm_root
+):
+    """mountpoint-s3 (doc/SEMANTICS.md, "Open"): "A file can not have a reader and a writer
+    file handle open at the same time, and attempting to do so will result in an EPERM error
+    for the second open request"; "You cannot overwrite files that are currently being
+    read" (gVisor hit exactly this, awslabs/mountpoint-s3#862). ``_other_writers_done`` opens
+    the old object O_RDONLY and keeps that reader open while ``_direct_locked`` opens the
+    same name O_WRONLY|O_TRUNC: on a real mountpoint-s3 mount (--allow-overwrite) every
+    direct overwrite, the one strategy that mount gets, now fails with EPERM where it used
+    to succeed: a run that re-saves ``model.safetensors`` loses every save after the first.
+    The kit's mountpoint model does not enforce this rule, so the test looks at what the real
+    mount would be asked: the descriptors open on the file when the writer is opened."""
+    import uuid
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import safestage
+    from safestage import _publish
+
+    mount = kit_mounts["mountpoint"]
+    directory = Path(mount.path) / f"t-{uuid.uuid4().hex[:10]}"
+    directory.mkdir()
+    dest = directory / "model.safetensors"
+    seen: list[list[int]] = []
+    real = _publish._prepare_direct
+
+    def observed(fd: int) -> None:  # observation only: what is open when the writer opens
+        seen.append(_descriptors_on(fd))
+        real(fd)
+
+    try:
+        with safestage.staged(shm_root):
+            save_file({"w": torch.ones(1000)}, str(dest))  # the first save: a new object
+        _publish._prepare_direct = observed
+        try:
+            with safestage.staged(shm_root) as stage:
+                save_file({"w": torch.full((1000,), 2.0)}, str(dest))  # the overwrite
+        finally:
+            _publish._prepare_direct = real
+        assert [r.strategy for r in stage.records] == ["direct"]
+        assert load_file(str(dest))["w"].eq(2.0).all()
+    finally:
+        import shutil
+
+        shutil.rmtree(Path(mount.backing) / directory.name, ignore_errors=True)
+    assert seen, "the direct write was never opened"
+    assert os.O_RDONLY not in seen[0], (
+        f"a read-only descriptor of {dest} was open while its writer was opened ({seen}): "
+        "mountpoint-s3 refuses that open with EPERM"
+    )
+
+
+def test_retried_unlink_of_a_torn_followed_file_deletes_the_save_that_landed_meanwhile(
+    tmp_path, shm_root
+):
+    """A followed ``direct`` write of a new file whose writer fails is cleaned up by
+    ``_remove_if_ours``: it checks once that the name is still our inode, then
+    ``_unlink_torn`` retries the unlink for a whole second without looking again. The retry
+    exists for a refused unlink (mountpoint answers EPERM while a forked child still holds
+    our descriptor); during that second the name may be published by another save (another
+    process's plain or staged save renames its complete file over it), and the retry
+    deletes that complete file. The other save returned success; its file is gone. Promised:
+    "never deleting or corrupting a file another save published". The refusal is injected
+    (once, for this name only); the other save is real and runs in another process."""
+    import errno
+
+    import safestage
+
+    directory = tmp_path / "dest"
+    directory.mkdir()
+    dest = directory / "model.bin"
+    other = r'''
+import sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+import safestage
+with safestage.staged({root!r}, publish="replace") as stage:
+    stage._save(lambda p: open(p, "wb").write(b"OTHER" * 1000), Path({dest!r}))
+'''.format(repo=str(REPO), root=str(shm_root), dest=str(dest))
+    fired: list[int] = []
+    real_unlink = os.unlink
+
+    def refused_once(path, *args, **kwargs):
+        if os.fspath(path) == str(dest) and not fired:
+            fired.append(1)
+            # meanwhile another process's save publishes the name
+            subprocess.run([sys.executable, "-c", other], check=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    def write(path: str) -> None:
+        target = os.path.join(os.path.dirname(path), ".tmpXyZ123")
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"\x01" * (1 << 20))
+            deadline = time.monotonic() + 10
+            while not os.path.lexists(dest) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert os.path.lexists(dest), "the followed copy never created the final name"
+            raise ValueError("writer failed")
+        finally:
+            os.close(fd)
+
+    os.unlink = refused_once
+    try:
+        with pytest.raises(ValueError):
+            with safestage.staged(shm_root, publish="direct", follow=True) as stage:
+                stage._save(write, dest)
+    finally:
+        os.unlink = real_unlink
+    assert fired, "the unlink of the torn file was never refused: the scenario did not run"
+    assert dest.exists(), (
+        "the other process's save published its complete file under the name and returned "
+        "success; the failed followed save's retried unlink then deleted it"
+    )
+    assert dest.read_bytes() == b"OTHER" * 1000
