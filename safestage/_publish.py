@@ -37,9 +37,10 @@ from typing import Callable, Optional, Protocol, Union
 from ._errors import PublishError
 from ._follow import Follower, NotFollowed, Reader
 from ._interrupts import deferred
-from ._locks import BUSY, Contended, claim, close_quietly
+from ._locks import Contended, claim, close_quietly
 from ._mounts import capabilities, filesystem_key
 from ._names import temp_name
+from ._writer_locks import sole_writer
 
 log = logging.getLogger("safestage")
 
@@ -608,52 +609,12 @@ def _direct(
 ) -> tuple[int, Optional[str]]:
     """Write the final name itself: for destinations that cannot rename (#792). One direct
     publish of a given file at a time in this process: two would interleave their bytes."""
-    with _direct_lock(dest), _other_writers_done(dest if follow is None else None):
+    with _direct_lock(dest), sole_writer(dest):  # one direct writer per file on this host
         hasher = digest() if digest is not None else None
         nbytes = _direct_locked(
             staged, dest, mode=mode, fsync=fsync, previous=previous, digest=hasher, follow=follow
         )
         return nbytes, hasher.hexdigest() if hasher is not None else None
-
-
-@contextlib.contextmanager
-def _other_writers_done(dest: Optional[Path]) -> Iterator[None]:
-    """Before a direct write over an existing ``dest``: wait until no other process of this
-    host is writing it, and hold it meanwhile. Every direct write holds a flock on the file
-    it writes (``_lock_what_we_write``); an O_TRUNC open in the middle of another process's
-    write would interleave the two files, both saves reporting success (review 7: a followed
-    write of a new file lasts the whole serialization). Where the file cannot be opened or
-    locked (a mount without locks), nothing is waited for, as before."""
-    fd: Optional[int] = None
-    if dest is not None:
-        with contextlib.suppress(OSError):
-            fd = os.open(dest, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        waited = False
-        while fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in BUSY:
-                    break  # no locks on this filesystem
-                if not waited:
-                    log.info("%s: waiting for another process's direct write of it to end", dest)
-                    waited = True
-                time.sleep(0.05)
-                continue
-            break
-        yield
-    finally:
-        if fd is not None:
-            close_quietly(fd)  # releases the lock once our write is closed
-
-
-def _lock_what_we_write(fd: int) -> None:
-    """A direct write holds a flock on its file while it writes (see _other_writers_done).
-    Best effort: busy means our own _other_writers_done holds this inode already."""
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
 
 
 def _direct_locked(
@@ -675,9 +636,15 @@ def _direct_locked(
     aside = _Aside(dest, is_link=is_link, mapped=not is_link and previous is not None and _mapped_here(previous))
     if aside.needed:
         flags = os.O_CREAT | os.O_EXCL
+    written: list[os.stat_result] = []  # the file we write: the clean-up removes only that
+
+    def prepare(fd: int) -> None:
+        written.append(os.fstat(fd))
+        _regular_and_blocking(fd)
+
     try:
         nbytes = copy_to_new_file(
-            staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=_prepare_direct,
+            staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=prepare,
             before_create=aside.clear_the_name, digest=digest, follow=follow,
         )  # fmt: skip
     except BaseException as exc:
@@ -690,7 +657,7 @@ def _direct_locked(
             # filesystem has already truncated it. Keep the final name only if it is still
             # that old file, and put back a file moved aside.
             unchanged = not aside.cleared and _unchanged(dest, previous)
-            removed = None if unchanged else _unlink_torn(dest)
+            removed = None if unchanged else _unlink_torn(dest, written[0] if written else None)
             restored = aside.restore() if removed else False
             if isinstance(exc, _StepFailed):
                 exc.removed = None if restored else removed
@@ -723,7 +690,7 @@ def _direct_new_file(
 
     def prepare(fd: int) -> None:
         ours.append(os.fstat(fd))
-        _prepare_direct(fd)
+        _regular_and_blocking(fd)
 
     try:
         return copy_to_new_file(
@@ -757,16 +724,27 @@ def _remove_if_ours(dest: Path, ours: list[os.stat_result]) -> Optional[bool]:
     if not os.path.samestat(now, ours[0]):
         log.debug("%s is no longer the file this save created: left alone", dest)
         return None
-    return _unlink_torn(dest)
+    return _unlink_torn(dest, ours[0])
 
 
-def _unlink_torn(dest: Path) -> bool:
-    """Remove a torn file a direct publish wrote under the final name; True if it is gone.
-    A refusal is retried for a moment: a child forked during the copy holds our descriptor
-    until its fork handler closes it (_outputs), and until then mountpoint refuses to unlink
-    a file being written (EPERM)."""
+def _unlink_torn(dest: Path, ours: Optional[os.stat_result]) -> bool:
+    """Remove the torn file a direct publish wrote under the final name (``ours``, when
+    known); True if no torn file of ours is left there. A refusal is retried for a moment:
+    a child forked during the copy holds our descriptor until its fork handler closes it
+    (_outputs), and until then mountpoint refuses to unlink a file being written (EPERM).
+    Before every attempt the name must still be our file: another save may publish there
+    meanwhile, and its file is not ours to remove (review 8)."""
     deadline = time.monotonic() + _UNLINK_PATIENCE_S
     while True:
+        if ours is not None:
+            try:
+                if not os.path.samestat(os.lstat(dest), ours):
+                    log.debug("%s is no longer the file this save wrote: left alone", dest)
+                    return True
+            except FileNotFoundError:
+                return True
+            except OSError:
+                pass  # cannot tell: it is most likely still ours
         try:
             os.unlink(dest)
         except FileNotFoundError:
@@ -868,9 +846,6 @@ def _refuse_special_file(dest: Path, previous: os.stat_result) -> None:
             raise failed
 
 
-def _prepare_direct(fd: int) -> None:
-    _regular_and_blocking(fd)
-    _lock_what_we_write(fd)
 
 
 def _regular_and_blocking(fd: int) -> None:

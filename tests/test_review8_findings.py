@@ -316,7 +316,7 @@ def test_direct_overwrite_on_mountpoint_keeps_a_reader_open_while_opening_the_wr
     directory.mkdir()
     dest = directory / "model.safetensors"
     seen: list[list[int]] = []
-    real = _publish._prepare_direct
+    real = _publish._regular_and_blocking
 
     def observed(fd: int) -> None:  # observation only: what is open when the writer opens
         seen.append(_descriptors_on(fd))
@@ -325,12 +325,12 @@ def test_direct_overwrite_on_mountpoint_keeps_a_reader_open_while_opening_the_wr
     try:
         with safestage.staged(shm_root):
             save_file({"w": torch.ones(1000)}, str(dest))  # the first save: a new object
-        _publish._prepare_direct = observed
+        _publish._regular_and_blocking = observed
         try:
             with safestage.staged(shm_root) as stage:
                 save_file({"w": torch.full((1000,), 2.0)}, str(dest))  # the overwrite
         finally:
-            _publish._prepare_direct = real
+            _publish._regular_and_blocking = real
         assert [r.strategy for r in stage.records] == ["direct"]
         assert load_file(str(dest))["w"].eq(2.0).all()
     finally:
