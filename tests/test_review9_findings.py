@@ -223,3 +223,173 @@ def test_another_user_squatting_the_lock_directory_silently_unlocks_direct_write
         f"a mix of the two (kind, size, h bytes, v bytes, zero bytes: {result}): the lock "
         "directory another user planted switched the direct-writer lock off silently"
     )
+
+
+_FORK_STRESS = r'''
+import os, sys, threading, time, warnings
+sys.path.insert(0, {repo!r})
+warnings.simplefilter("ignore")  # fork() with threads (3.12+)
+from pathlib import Path
+import safestage
+tmp = Path(sys.argv[1])
+dest = tmp / "model.safetensors"
+root = tmp / "root"
+root.mkdir()
+lockdir = "/dev/shm/safestage-locks-%d" % os.geteuid()
+stop = time.monotonic() + float(sys.argv[2])
+found = threading.Event()
+def saver():  # a training loop saving its checkpoint with publish="direct"
+    with safestage.staged(str(root), publish="direct") as stage:
+        while time.monotonic() < stop and not found.is_set():
+            stage._save(lambda p: open(p, "wb").write(b"x" * 100), dest)
+thread = threading.Thread(target=saver)
+thread.start()
+forks = leaks = 0
+while thread.is_alive():  # DataLoader workers / Pool processes started meanwhile
+    pid = os.fork()
+    if pid == 0:  # after the fork handlers: does the child still hold a lock descriptor?
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink("/proc/self/fd/" + fd).startswith(lockdir):
+                    held.append(fd)
+            except OSError:
+                pass
+        os._exit(1 if held else 0)
+    _, status = os.waitpid(pid, 0)
+    forks += 1
+    if os.waitstatus_to_exitcode(status) == 1:
+        leaks += 1
+        found.set()
+thread.join()
+print("FORKS", forks, "LEAKS", leaks, flush=True)
+'''
+
+
+def test_a_child_forked_while_direct_saves_run_keeps_a_writer_lock_descriptor(tmp_path):
+    """README: "A process forked while a publish writes (a DataLoader worker) closes its
+    inherited copies of our destination and lock descriptors at once". It does not always:
+    ``_writer_locks`` puts a descriptor in ``_held`` only after ``os.open`` returned (the GIL
+    is released during the open, so another thread may fork in between), and ``_drop`` takes
+    it out of ``_held`` before ``os.close`` (which releases the GIL before closing). A fork
+    in either window gives the child a copy of the lock's open file description that the
+    fork handler does not know about; the child (a persistent worker) then holds that flock
+    for as long as it lives. Real saves, real forks, no patching: a few children in a
+    thousand keep one. What that costs is the next test: another process's direct save of
+    the file, already waiting on that lock file, never gets it."""
+    script = tmp_path / "stress.py"
+    script.write_text(_FORK_STRESS.format(repo=str(REPO)))
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "25"],
+        capture_output=True, text=True, timeout=300, env=_env(),
+    )  # fmt: skip
+    assert "FORKS" in run.stdout, run.stdout + run.stderr
+    forks, leaks = int(run.stdout.split()[1]), int(run.stdout.split()[3])
+    assert forks > 0
+    assert leaks == 0, (
+        f"{leaks} of {forks} children forked while direct saves ran still held a descriptor "
+        "of the writer lock after the fork handlers had run"
+    )
+
+
+_INHERITED_LOCK_PARENT = r'''
+import logging, os, sys, threading, time, warnings
+sys.path.insert(0, {repo!r})
+warnings.simplefilter("ignore")
+from pathlib import Path
+import safestage
+from safestage import _writer_locks
+root, dest, seconds = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+# Only the timing window the previous test hits for real (fork between _held.discard and
+# os.close), held open so the fork lands in it every time.
+window, forked = threading.Event(), threading.Event()
+real_close = _writer_locks.close_quietly
+def close_in_window(fd):
+    window.set()
+    forked.wait(10)
+    real_close(fd)
+_writer_locks.close_quietly = close_in_window
+def slow(path):
+    with open(path, "wb") as f:
+        deadline = time.monotonic() + seconds
+        print("WRITING", flush=True)
+        while time.monotonic() < deadline:
+            f.write(b"h" * 1024)
+            f.flush()
+            time.sleep(0.05)
+def save():
+    with safestage.staged(root, publish="direct", follow=True) as stage:
+        stage._save(slow, dest)
+    print("PARENT SAVED", flush=True)
+thread = threading.Thread(target=save)
+thread.start()
+assert window.wait(60)
+child = os.fork()  # a DataLoader worker started as the save ends
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print("WORKER", child, flush=True)
+forked.set()
+thread.join()
+time.sleep(60)  # the training goes on; the worker lives
+'''
+
+
+def test_a_worker_forked_as_a_direct_save_ends_hangs_another_processes_save_of_that_file(
+    tmp_path, shm_root
+):
+    """The cost of the leak above. Rank A's direct save of ``model.safetensors`` holds the
+    lock file; rank B's direct save of the same file opened that lock file and waits for it.
+    A forks a DataLoader worker just as its save ends, in the window between ``_held.discard``
+    and ``os.close`` (the window is held open here; the previous test hits it without help).
+    A unlinks the lock file and closes its descriptor, but the worker's copy keeps the flock,
+    and B polls that unlinked inode: B checks whether its lock file is stale only after it
+    got the flock, which it never does. B hangs for as long as A's worker lives (the whole
+    training, for a persistent worker), WARNING after 30 s, nothing else. Promised: no hangs;
+    a forked child "closes its inherited copies of our ... lock descriptors at once"."""
+    dest = tmp_path / "model.safetensors"
+    parent_script = tmp_path / "parent.py"
+    parent_script.write_text(_INHERITED_LOCK_PARENT.format(repo=str(REPO)))
+    victim_script = tmp_path / "victim.py"
+    victim_script.write_text(_QUICK_DIRECT.format(repo=str(REPO)))
+    a_root, b_root = shm_root / "a", shm_root / "b"
+    a_root.mkdir()
+    b_root.mkdir()
+    a_out, b_out = tmp_path / "a.out", tmp_path / "b.out"
+    with open(a_out, "w") as out:
+        rank_a = subprocess.Popen(
+            [sys.executable, str(parent_script), str(a_root), str(dest), "3"],
+            stdout=out, stderr=subprocess.STDOUT, env=_env(),
+        )  # fmt: skip
+    rank_b = None
+    worker = None
+    try:
+        assert _wait_for(a_out, "WRITING", 60), a_out.read_text()
+        time.sleep(0.3)
+        with open(b_out, "w") as out:
+            rank_b = subprocess.Popen(
+                [sys.executable, str(victim_script), str(b_root), str(dest)],
+                stdout=out, stderr=subprocess.STDOUT, env=_env(),
+            )  # fmt: skip
+        assert _wait_for(b_out, "waiting for another process", 60), b_out.read_text()
+        assert _wait_for(a_out, "PARENT SAVED", 60), a_out.read_text()
+        worker = int(a_out.read_text().split("WORKER", 1)[1].split()[0])
+        try:
+            rank_b.wait(15)
+            finished = True
+        except subprocess.TimeoutExpired:
+            finished = False
+        assert finished, (
+            "rank B's direct save still waits 15 s after rank A's save of the file ended: A's "
+            "forked worker holds the flock of the lock file B waits on"
+        )
+        assert "VICTIM SAVED" in b_out.read_text()
+    finally:
+        if rank_b is not None:
+            _stop(rank_b)
+        _stop(rank_a)
+        if worker:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
