@@ -393,3 +393,47 @@ def test_a_worker_forked_as_a_direct_save_ends_hangs_another_processes_save_of_t
                 os.kill(worker, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_killed_direct_save_leaves_its_lock_file_that_clean_never_removes(tmp_path, shm_root):
+    """A direct save killed while it writes (OOM killer, preemption, the crash trials' SIGKILL)
+    leaves its lock file ``/dev/shm/safestage-locks-<uid>/<hash>.lock``: only the holder
+    removes it, at release. ``safestage clean`` on the destination and on the staging root
+    (the README's answer to everything a killed process leaves) does not know the directory:
+    the file stays until the same path string is saved again with direct, which for a job
+    that writes ``step-N`` names is never. Each killed save adds one file (an inode of a RAM
+    filesystem) per destination; this host's /dev/shm had such files from earlier runs
+    before this review started. Promised: no leftovers; what a killed process leaves,
+    ``safestage clean`` removes."""
+    import hashlib
+
+    dest = tmp_path / "step-1000.safetensors"
+    lock = Path(f"/dev/shm/safestage-locks-{os.geteuid()}") / (
+        hashlib.sha256(os.fsencode(str(dest))).hexdigest()[:40] + ".lock"
+    )
+    holder_script = tmp_path / "holder.py"
+    holder_script.write_text(_SLOW_HOLDER.format(repo=str(REPO)))
+    out_path = tmp_path / "holder.out"
+    with open(out_path, "w") as out:
+        holder = subprocess.Popen(
+            [sys.executable, str(holder_script), str(shm_root), str(dest), "30"],
+            stdout=out, stderr=subprocess.STDOUT, env=_env(),
+        )  # fmt: skip
+    try:
+        assert _wait_for(out_path, "WRITING", 60), out_path.read_text()
+        time.sleep(0.5)
+        assert lock.exists(), "the save did not take its lock: the test proves nothing"
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+        for target in (tmp_path, shm_root):
+            subprocess.run(
+                [sys.executable, "-m", "safestage", "clean", str(target)],
+                capture_output=True, text=True, timeout=120, env=_env(),
+            )  # fmt: skip
+        assert not lock.exists(), (
+            f"{lock} is left after the killed direct save and `safestage clean` of its "
+            "destination and staging root"
+        )
+    finally:
+        _stop(holder)
+        lock.unlink(missing_ok=True)
