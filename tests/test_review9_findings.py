@@ -42,6 +42,14 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
+def _forget_lock(dest: Path) -> None:
+    """A holder this test killed leaves its lock file (see the SIGKILL test): remove it."""
+    import hashlib
+
+    name = hashlib.sha256(os.fsencode(str(dest))).hexdigest()[:40] + ".lock"
+    (Path(f"/dev/shm/safestage-locks-{os.geteuid()}") / name).unlink(missing_ok=True)
+
+
 # A direct save whose writer is slow: it holds the destination's writer lock for as long as
 # its serialization runs (a followed direct save keeps the final name open throughout).
 _SLOW_HOLDER = r'''
@@ -149,6 +157,7 @@ def test_ctrl_c_cannot_stop_a_followed_direct_save_waiting_for_another_writer(tm
         _stop(victim)
         if holder is not None:
             _stop(holder)
+        _forget_lock(dest)
 
 
 _QUICK_DIRECT = r'''
@@ -393,6 +402,7 @@ def test_a_worker_forked_as_a_direct_save_ends_hangs_another_processes_save_of_t
                 os.kill(worker, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        _forget_lock(dest)
 
 
 def test_a_killed_direct_save_leaves_its_lock_file_that_clean_never_removes(tmp_path, shm_root):
@@ -437,3 +447,74 @@ def test_a_killed_direct_save_leaves_its_lock_file_that_clean_never_removes(tmp_
     finally:
         _stop(holder)
         lock.unlink(missing_ok=True)
+
+
+_DIR_VICTIM = r'''
+import logging, sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+import safestage
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+root, dest = sys.argv[1], Path(sys.argv[2])
+try:
+    with safestage.staged_dir(dest, root, publish="direct") as local:
+        (local / "model.safetensors").write_bytes(b"v" * 4096)
+except KeyboardInterrupt:
+    print("INTERRUPTED", flush=True)
+    raise SystemExit(130)
+print("VICTIM SAVED", flush=True)
+'''
+
+
+def test_ctrl_c_cannot_stop_a_staged_dir_commit_waiting_for_another_writer(tmp_path, shm_root):
+    """``staged_dir`` promises that after an interrupt "those in flight stop too (at their
+    next chunk) ... nothing is copied once this has returned or raised". A direct publish
+    of one of its files that waits for another process's write of the same file (two ranks
+    committing the same checkpoint directory, a retried job and its straggler) is in
+    ``_writer_locks._acquire``, which never looks at the commit's cancel flag; ``_Work.wait``
+    absorbs the KeyboardInterrupt and waits on for it. Ctrl-C does nothing until the other
+    writer is done: forever if it is stopped or hung. Promised: no hangs; an interrupted
+    commit stops its copies in flight."""
+    ckpt = tmp_path / "checkpoint-1000"
+    ckpt.mkdir()
+    dest = ckpt / "model.safetensors"
+    holder_script = tmp_path / "holder.py"
+    holder_script.write_text(_SLOW_HOLDER.format(repo=str(REPO)))
+    victim_script = tmp_path / "victim.py"
+    victim_script.write_text(_DIR_VICTIM.format(repo=str(REPO)))
+    holder_out, victim_out = tmp_path / "holder.out", tmp_path / "victim.out"
+    h_root, v_root = shm_root / "h", shm_root / "v"
+    h_root.mkdir()
+    v_root.mkdir()
+    with open(holder_out, "w") as out:
+        holder = subprocess.Popen(
+            [sys.executable, str(holder_script), str(h_root), str(dest), "60"],
+            stdout=out, stderr=subprocess.STDOUT, env=_env(),
+        )  # fmt: skip
+    victim = None
+    try:
+        assert _wait_for(holder_out, "WRITING", 60), holder_out.read_text()
+        time.sleep(0.5)
+        with open(victim_out, "w") as out:
+            victim = subprocess.Popen(
+                [sys.executable, str(victim_script), str(v_root), str(ckpt)],
+                stdout=out, stderr=subprocess.STDOUT, env=_env(),
+            )  # fmt: skip
+        assert _wait_for(victim_out, "waiting for another process", 60), victim_out.read_text()
+        time.sleep(0.3)
+        victim.send_signal(signal.SIGINT)
+        try:
+            victim.wait(8)
+            stopped = True
+        except subprocess.TimeoutExpired:
+            stopped = False
+        assert holder.poll() is None, "the other writer ended early: the test proves nothing"
+        assert stopped, (
+            "Ctrl-C did not stop a staged_dir commit in 8 s: its direct publish waits for "
+            "another process's write of the same file to end"
+        )
+    finally:
+        if victim is not None:
+            _stop(victim)
+        _stop(holder)
+        _forget_lock(dest)
