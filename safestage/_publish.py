@@ -32,10 +32,11 @@ import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 from ._errors import PublishError
-from ._follow import Follower, NotFollowed, Reader
+from ._follow import Follower, NotFollowed, Reader, WriterFailed
+from ._fork_fds import closed_in_children
 from ._interrupts import deferred
 from ._locks import Contended, claim, close_quietly
 from ._mounts import capabilities, filesystem_key
@@ -241,6 +242,18 @@ def _copy_from(
     source: Path,
     expected: int,
     target: Path,
+    **options: Any,
+) -> int:
+    # A child forked while we write the target closes its copy at once (_fork_fds).
+    with closed_in_children(target, writes_only=True):
+        return _copy_into(src, source, expected, target, **options)
+
+
+def _copy_into(
+    src: Union[io.FileIO, Reader],
+    source: Path,
+    expected: int,
+    target: Path,
     *,
     flags: int,
     mode: int,
@@ -265,7 +278,6 @@ def _copy_from(
     except OSError as exc:
         raise _StepFailed(step, exc, target) from exc
     unclosed: Optional[int] = out_fd
-    _outputs.add(out_fd)
     copied = 0
     step = "prepare"  # from here on the target exists (and O_TRUNC has emptied it)
     try:
@@ -294,14 +306,12 @@ def _copy_from(
         # only here, so an unchecked close is a silent data loss. Linux releases the fd even
         # when close() fails: never close it twice.
         step, unclosed = "close", None
-        _outputs.discard(out_fd)
         os.close(out_fd)
     except OSError as exc:
         raise _StepFailed(step, exc, target) from exc
     finally:
         if unclosed is not None:
             with deferred(), contextlib.suppress(OSError):  # the error in flight is the one to report
-                _outputs.discard(unclosed)
                 os.close(unclosed)
     return copied
 
@@ -317,14 +327,6 @@ def _write_chunk(fd: int, data: memoryview, digest: Optional[Digest]) -> None:
     if digest is not None:
         digest.update(data)
     write_all(fd, data)
-
-
-# Descriptors this process is writing a destination file through. A child forked meanwhile
-# (a DataLoader worker, a launcher) closes its copies at once: on an object store a
-# descriptor still open in another process keeps the upload open, and the publish could
-# neither finish nor remove its file (review 7: mountpoint refuses to unlink a file being
-# written). Only descriptor numbers: add and discard are atomic under the GIL.
-_outputs: set[int] = set()
 
 
 def _match_mode(fd: int, mode: int) -> None:
@@ -609,8 +611,18 @@ def _direct(
 ) -> tuple[int, Optional[str]]:
     """Write the final name itself: for destinations that cannot rename (#792). One direct
     publish of a given file at a time in this process: two would interleave their bytes."""
-    with _direct_lock(dest), sole_writer(dest):  # one direct writer per file on this host
-        hasher = digest() if digest is not None else None
+    hasher = digest() if digest is not None else None
+
+    def still_wanted() -> None:
+        # While we wait for another writer of dest, a Ctrl-C in the saving thread or a
+        # cancelled directory commit must stop us (review 9): a cancellable digest raises
+        # on any update (_commit), a followed writer that failed is a WriterFailed.
+        if hasher is not None:
+            hasher.update(memoryview(b""))
+        if follow is not None and follow.state() == "failed":
+            raise WriterFailed(str(staged))
+
+    with _direct_lock(dest, still_wanted), sole_writer(dest, still_wanted):
         nbytes = _direct_locked(
             staged, dest, mode=mode, fsync=fsync, previous=previous, digest=hasher, follow=follow
         )
@@ -731,7 +743,7 @@ def _unlink_torn(dest: Path, ours: Optional[os.stat_result]) -> bool:
     """Remove the torn file a direct publish wrote under the final name (``ours``, when
     known); True if no torn file of ours is left there. A refusal is retried for a moment:
     a child forked during the copy holds our descriptor until its fork handler closes it
-    (_outputs), and until then mountpoint refuses to unlink a file being written (EPERM).
+    (_fork_fds), and until then mountpoint refuses to unlink a file being written (EPERM).
     Before every attempt the name must still be our file: another save may publish there
     meanwhile, and its file is not ours to remove (review 8)."""
     deadline = time.monotonic() + _UNLINK_PATIENCE_S
@@ -825,12 +837,16 @@ _direct_locks_guard = threading.Lock()
 
 
 @contextlib.contextmanager
-def _direct_lock(dest: Path) -> Iterator[None]:
+def _direct_lock(dest: Path, still_wanted: Callable[[], None]) -> Iterator[None]:
     key = str(dest)
     with _direct_locks_guard:
         lock = _direct_locks.setdefault(key, threading.Lock())
-    with lock:
+    while not lock.acquire(timeout=0.05):  # another thread writes dest: wait, cancellably
+        still_wanted()
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def _refuse_special_file(dest: Path, previous: os.stat_result) -> None:
@@ -1001,10 +1017,6 @@ def kept_copy_text(kept: Optional[Path]) -> str:
 def _after_fork_in_child() -> None:
     # Locks a thread of the parent held at fork() would never be released here.
     global _direct_locks_guard, _umask_lock
-    for fd in list(_outputs):  # the parent's publishes: not ours to hold open (_outputs)
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _outputs.clear()
     _direct_locks.clear()
     _direct_locks_guard = threading.Lock()
     _umask_lock = threading.Lock()

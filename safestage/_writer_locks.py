@@ -5,16 +5,19 @@ processes writing one file that way at once (two ranks saving the same shard, a 
 and its straggler) interleave their bytes under one name, and both report success (review
 7; following a new file keeps its name open for the whole serialization). So every direct
 publish holds an exclusive flock on a lock file of its own for the whole write: one per
-destination path, in a private per-user directory of this host
-(``/dev/shm/safestage-locks-<uid>``, else the temp directory).
+destination path, in a private directory of this user (``/dev/shm/safestage-locks-<uid>``;
+if someone else owns that name, ``$XDG_RUNTIME_DIR/safestage-locks``, then the temp
+directory's ``safestage-locks-<uid>``).
 
 The destination itself is never opened for this (review 8): opening it would wake a
 writer blocked on a FIFO there, hold a reader handle beside our writer (mountpoint-s3
 refuses a writer while a reader is open: EPERM), and take anyone's ``flock`` on it for a
-writer's. A lock file is unlinked by its holder before it lets go, so none accumulate; a
-waiter left holding a lock on an unlinked file sees its name is another inode now and
-tries again. A child forked meanwhile closes its copies at once (the parent's lock stays:
-a flock belongs to the open file description, which the parent still holds).
+writer's. A lock file is unlinked by its holder before it lets go; a waiter left holding a
+lock on an unlinked file sees its name is another inode now and tries again. A process
+killed while holding one leaves the file, unlocked: the next activation's sweep and
+``safestage clean`` remove lock files nobody holds. A child forked meanwhile closes its
+copies at once (_fork_fds): the parent's lock stays, since a flock belongs to the open file
+description, which the parent still holds.
 
 Scope: processes of one host and one user that see the same lock directory, naming the
 file by the same resolved path. Other hosts and users are not serialized, as before.
@@ -32,56 +35,75 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
+from ._fork_fds import closed_in_children
 from ._locks import BUSY, close_quietly
 
 log = logging.getLogger("safestage")
 
 _POLL_S = 0.05
 _WARN_AFTER_S = 30.0
-# Lock descriptors this process holds: a forked child closes its copies (see above).
-_held: set[int] = set()
+_warned_squatted: set[str] = set()
 
 
 @contextlib.contextmanager
-def sole_writer(dest: Path) -> Iterator[None]:
-    """Hold the host-wide lock of ``dest`` for a direct write; best effort (no lock
-    directory, or a filesystem without flock: the write goes ahead unlocked, as before)."""
-    held = _acquire(dest)
-    try:
-        yield
-    finally:
-        if held is not None:
-            _release(*held)
-
-
-def _lock_directory() -> Optional[Path]:
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-    directory = base / f"safestage-locks-{os.geteuid()}"
-    try:
-        os.mkdir(directory, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        log.debug("no direct-writer lock directory %s: %s", directory, exc)
-        return None
-    try:
-        info = os.lstat(directory)
-    except OSError as exc:
-        log.debug("no direct-writer lock directory %s: %s", directory, exc)
-        return None
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        log.debug("%s is not a private directory of this user: direct writes are not locked", directory)
-        return None
-    return directory
-
-
-def _acquire(dest: Path) -> Optional[tuple[int, Path]]:
-    directory = _lock_directory()
+def sole_writer(dest: Path, still_wanted: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Hold the host-wide lock of ``dest`` for a direct write. ``still_wanted()`` is called
+    while waiting and raises to give up (a cancelled commit, a followed writer that failed:
+    a Ctrl-C in the saving thread must not wait for another process's write, review 9). Best
+    effort: no lock directory, or no flock there, and the write goes ahead unlocked."""
+    directory = lock_directory()
     if directory is None:
-        return None
+        yield
+        return
     path = directory / (hashlib.sha256(os.fsencode(str(dest))).hexdigest()[:40] + ".lock")
+    with closed_in_children(path, writes_only=False):
+        fd = _acquire(path, dest, still_wanted)
+        try:
+            yield
+        finally:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # before letting go: a waiter then sees a stale inode
+                close_quietly(fd)
+
+
+def lock_directory() -> Optional[Path]:
+    """This user's private lock directory (created 0700), or None if none can be had."""
+    uid = os.geteuid()
+    candidates = [Path("/dev/shm") / f"safestage-locks-{uid}"]
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        candidates.append(Path(runtime) / "safestage-locks")
+    candidates.append(Path(tempfile.gettempdir()) / f"safestage-locks-{uid}")
+    for directory in candidates:
+        if not directory.parent.is_dir():
+            continue
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            log.debug("no direct-writer lock directory %s: %s", directory, exc)
+            continue
+        try:
+            info = os.lstat(directory)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not info.st_mode & 0o077:
+            return directory
+        if str(directory) not in _warned_squatted:  # another user made it first (/dev/shm is
+            _warned_squatted.add(str(directory))   # everyone's): never use it (review 9)
+            log.warning(
+                "%s is not a private directory of uid %d (owner uid %d, mode %o): direct "
+                "writers do not take turns through it; trying the next place",
+                directory, uid, info.st_uid, stat.S_IMODE(info.st_mode),
+            )  # fmt: skip
+    return None
+
+
+def _acquire(path: Path, dest: Path, still_wanted: Callable[[], None]) -> Optional[int]:
     started = time.monotonic()
     said = 0  # 0: nothing logged yet, 1: INFO, 2: WARNING
     while True:
@@ -90,7 +112,6 @@ def _acquire(dest: Path) -> Optional[tuple[int, Path]]:
         except OSError as exc:
             log.debug("cannot open the direct-writer lock %s of %s: %s", path, dest, exc)
             return None
-        _held.add(fd)
         try:
             while True:
                 try:
@@ -99,8 +120,11 @@ def _acquire(dest: Path) -> Optional[tuple[int, Path]]:
                 except OSError as exc:
                     if exc.errno not in BUSY:
                         log.debug("no flock for the direct-writer lock of %s: %s", dest, exc)
-                        _drop(fd)
+                        close_quietly(fd)
                         return None
+                if _stale(path, fd):  # its holder let go and removed it: take the new one
+                    break
+                still_wanted()
                 waited = time.monotonic() - started
                 if said == 0:
                     log.info("%s: waiting for another process's direct write of it to end", dest)
@@ -112,34 +136,51 @@ def _acquire(dest: Path) -> Optional[tuple[int, Path]]:
                     )  # fmt: skip
                     said = 2
                 time.sleep(_POLL_S)
-            try:
-                current = os.stat(path, follow_symlinks=False)
-            except FileNotFoundError:
-                current = None
+            if not _stale(path, fd):
+                return fd
         except BaseException:
-            _drop(fd)
+            close_quietly(fd)
             raise
-        if current is not None and os.path.samestat(current, os.fstat(fd)):
-            return fd, path
-        _drop(fd)  # its holder removed it while we waited: take the one there now
-
-
-def _release(fd: int, path: Path) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)  # before letting go: a waiter then sees a stale inode and retries
-    _drop(fd)
-
-
-def _drop(fd: int) -> None:
-    _held.discard(fd)
-    close_quietly(fd)
-
-
-def _after_fork_in_child() -> None:
-    for fd in list(_held):
         close_quietly(fd)
-    _held.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+def _stale(path: Path, fd: int) -> bool:
+    """Whether ``path`` no longer names the lock file ``fd`` is open on. Checked while we
+    wait too: a child forked by a holder can keep a removed lock file locked for as long as
+    it lives (review 9), and that lock guards nothing any more."""
+    try:
+        return not os.path.samestat(os.stat(path, follow_symlinks=False), os.fstat(fd))
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def sweep() -> int:
+    """Remove lock files nobody holds (their holder was killed); the number removed."""
+    directory = lock_directory()
+    if directory is None:
+        return 0
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.endswith(".lock"):
+            continue
+        path = directory / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not _stale(path, fd):
+                os.unlink(path)  # under the lock, as its holders do
+                removed += 1
+        except OSError:
+            pass  # held: a live writer
+        finally:
+            close_quietly(fd)
+    return removed
