@@ -72,7 +72,10 @@ def test_a_child_forked_while_direct_writes_a_name_ending_in_deleted_keeps_the_w
             os.close(fd)
 
     try:
-        with safestage.staged(shm_root, follow=True, publish="direct") as stage, pytest.raises(ValueError):
+        with (
+            safestage.staged(shm_root, follow=True, publish="direct") as stage,
+            pytest.raises(ValueError),
+        ):
             stage._save(write, dest)
         left = sorted(os.listdir(directory))
     finally:
@@ -89,7 +92,7 @@ def test_a_child_forked_while_direct_writes_a_name_ending_in_deleted_keeps_the_w
 
 # -- 2. a waiter gives up a lock its holder still holds ----------------------------------------
 
-_SLOW_HOLDER = r'''
+_SLOW_HOLDER = r"""
 import logging, sys, time
 sys.path.insert(0, {repo!r})
 from pathlib import Path
@@ -107,9 +110,9 @@ def slow(path):
 with safestage.staged(root, publish="direct", follow=True) as stage:
     stage._save(slow, dest)
 print("HOLDER SAVED", flush=True)
-'''
+"""
 
-_QUICK_DIRECT = r'''
+_QUICK_DIRECT = r"""
 import logging, sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
@@ -122,11 +125,11 @@ def quick(path):
 with safestage.staged(root, publish="direct") as stage:
     stage._save(quick, dest)
 print("VICTIM SAVED", flush=True)
-'''
+"""
 
 # Runs in its own mount namespace with its own /dev/shm: the host's lock directory (and a CI
 # run using it) is never touched.
-_CLEANER_DRIVER = r'''
+_CLEANER_DRIVER = r"""
 import os, shutil, subprocess, sys, time
 from pathlib import Path
 tmp = Path(sys.argv[1])
@@ -161,7 +164,7 @@ print((tmp / "victim.out").read_text()[-1500:], (tmp / "holder.out").read_text()
 data = dest.read_bytes()
 kind = "H" if data[:1] == b"h" and data.count(b"h") == len(data) else "V" if data == b"v" * 4096 else "MIXED"
 print("RESULT", kind, len(data), data.count(b"h"), data.count(b"v"), data.count(b"\0"))
-'''
+"""
 
 
 def test_removing_the_lock_directory_lets_a_waiting_direct_writer_in_beside_its_holder(tmp_path):
