@@ -61,9 +61,11 @@ def _after_fork_in_child() -> None:
             link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        path = link.removesuffix(" (deleted)")
-        if path not in wanted:
-            continue
+        path = link
+        if path not in wanted:  # a removed file's link reads "<path> (deleted)"; a live file
+            path = link.removesuffix(" (deleted)")  # may be named so itself (review 10)
+            if path not in wanted:
+                continue
         fd = int(name)
         if wanted[path] and not _opened_for_writing(fd):
             continue

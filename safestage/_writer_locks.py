@@ -69,8 +69,9 @@ def sole_writer(dest: Path, still_wanted: Callable[[], None] = lambda: None) -> 
                 close_quietly(fd)
 
 
-def lock_directory() -> Optional[Path]:
-    """This user's private lock directory (created 0700), or None if none can be had."""
+def lock_directory(*, create: bool = True) -> Optional[Path]:
+    """This user's private lock directory (created 0700 unless ``create`` is False), by its
+    real path (what /proc/self/fd shows, for _fork_fds), or None if none can be had."""
     uid = os.geteuid()
     candidates = [Path("/dev/shm") / f"safestage-locks-{uid}"]
     runtime = os.environ.get("XDG_RUNTIME_DIR")
@@ -80,13 +81,15 @@ def lock_directory() -> Optional[Path]:
     for directory in candidates:
         if not directory.parent.is_dir():
             continue
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            log.debug("no direct-writer lock directory %s: %s", directory, exc)
-            continue
+        directory = Path(os.path.realpath(directory.parent)) / directory.name
+        if create:
+            try:
+                os.mkdir(directory, 0o700)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                log.debug("no direct-writer lock directory %s: %s", directory, exc)
+                continue
         try:
             info = os.lstat(directory)
         except OSError:
@@ -122,8 +125,9 @@ def _acquire(path: Path, dest: Path, still_wanted: Callable[[], None]) -> Option
                         log.debug("no flock for the direct-writer lock of %s: %s", dest, exc)
                         close_quietly(fd)
                         return None
-                if _stale(path, fd):  # its holder let go and removed it: take the new one
-                    break
+                # Not given up when its name goes while we wait: whoever removed it (a wipe of
+                # /dev/shm, logind's RemoveIPC) does not make its holder stop writing (review
+                # 10). Only a lock we hold is checked for staleness, below.
                 still_wanted()
                 waited = time.monotonic() - started
                 if said == 0:
@@ -145,9 +149,8 @@ def _acquire(path: Path, dest: Path, still_wanted: Callable[[], None]) -> Option
 
 
 def _stale(path: Path, fd: int) -> bool:
-    """Whether ``path`` no longer names the lock file ``fd`` is open on. Checked while we
-    wait too: a child forked by a holder can keep a removed lock file locked for as long as
-    it lives (review 9), and that lock guards nothing any more."""
+    """Whether ``path`` no longer names the lock file ``fd`` is open on (its holder removed
+    it before letting go: the lock to take is the file there now)."""
     try:
         return not os.path.samestat(os.stat(path, follow_symlinks=False), os.fstat(fd))
     except FileNotFoundError:
@@ -158,7 +161,7 @@ def _stale(path: Path, fd: int) -> bool:
 
 def sweep() -> int:
     """Remove lock files nobody holds (their holder was killed); the number removed."""
-    directory = lock_directory()
+    directory = lock_directory(create=False)  # no direct write yet: nothing to sweep
     if directory is None:
         return 0
     removed = 0
