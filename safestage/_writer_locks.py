@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ._fork_fds import closed_in_children
+from ._interrupts import deferred
 from ._locks import BUSY, close_quietly
 
 log = logging.getLogger("safestage")
@@ -64,9 +65,12 @@ def sole_writer(dest: Path, still_wanted: Callable[[], None] = lambda: None) -> 
             yield
         finally:
             if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)  # before letting go: a waiter then sees a stale inode
-                close_quietly(fd)
+                with deferred():  # a Ctrl-C now is raised once the lock is let go
+                    try:
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)  # before letting go: a waiter then sees a stale inode
+                    finally:
+                        close_quietly(fd)
 
 
 def lock_directory(*, create: bool = True) -> Optional[Path]:
