@@ -7,7 +7,6 @@ world-writable root safe: nobody else can plant a file or symlink inside it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -190,10 +189,6 @@ def _sweep_dead(root: Path) -> None:
     """Remove staging directories that processes on this host left when they died (the same
     rules as `safestage clean`: one that still holds a finished file is kept)."""
     from ._clean import clean  # local: only activation needs it
-    from ._writer_locks import sweep as sweep_writer_locks
-
-    with contextlib.suppress(OSError):
-        sweep_writer_locks()  # lock files of direct writers killed while writing
 
     try:
         entries = clean(root)

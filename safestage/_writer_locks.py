@@ -14,8 +14,8 @@ writer blocked on a FIFO there, hold a reader handle beside our writer (mountpoi
 refuses a writer while a reader is open: EPERM), and take anyone's ``flock`` on it for a
 writer's. A lock file is unlinked by its holder before it lets go; a waiter left holding a
 lock on an unlinked file sees its name is another inode now and tries again. A process
-killed while holding one leaves the file, unlocked: the next activation's sweep and
-``safestage clean`` remove lock files nobody holds. A child forked meanwhile closes its
+killed while holding one leaves the file, unlocked (the next writer of that path takes it
+as is): ``safestage clean`` removes lock files nobody holds. A child forked meanwhile closes its
 copies at once (_fork_fds): the parent's lock stays, since a flock belongs to the open file
 description, which the parent still holds.
 
