@@ -649,11 +649,7 @@ def _direct_locked(
     if aside.needed:
         flags = os.O_CREAT | os.O_EXCL
     written: list[os.stat_result] = []  # the file we write: the clean-up removes only that
-
-    def prepare(fd: int) -> None:
-        written.append(os.fstat(fd))
-        _regular_and_blocking(fd)
-
+    prepare = _recording_what_is_written(written)
     try:
         nbytes = copy_to_new_file(
             staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=prepare,
@@ -699,44 +695,33 @@ def _direct_new_file(
     if previous is not None or os.path.lexists(dest):
         raise NotFollowed(f"{dest} exists")
     ours: list[os.stat_result] = []
-
-    def prepare(fd: int) -> None:
-        ours.append(os.fstat(fd))
-        _regular_and_blocking(fd)
-
     try:
         return copy_to_new_file(
             staged, dest, flags=os.O_CREAT | os.O_EXCL, mode=mode, fsync=fsync,
-            prepare=prepare, digest=digest, follow=follow,
+            prepare=_recording_what_is_written(ours), digest=digest, follow=follow,
         )  # fmt: skip
     except _StepFailed as failed:
         if failed.step == "create" and failed.error.errno == errno.EEXIST:
             raise NotFollowed(f"{dest} appeared before the followed write") from failed.error
         with deferred():  # "removed": no incomplete file of ours is left under the name
-            failed.removed = _remove_if_ours(dest, ours) is not False
+            failed.removed = _unlink_torn(dest, ours[0]) if ours else True
         raise
     except BaseException:
         with deferred():
-            _remove_if_ours(dest, ours)
+            if ours:
+                _unlink_torn(dest, ours[0])
         raise
 
 
-def _remove_if_ours(dest: Path, ours: list[os.stat_result]) -> Optional[bool]:
-    """Unlink ``dest`` if it is still the file we created (True), or None when there is
-    nothing of ours there; False when it is ours and could not be removed."""
-    if not ours:
-        return None
-    try:
-        now = os.lstat(dest)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        log.warning("could not inspect %s to remove a partial write: %s", dest, exc)
-        return _best_effort_unlink(dest) is None  # cannot tell, and it is most likely ours
-    if not os.path.samestat(now, ours[0]):
-        log.debug("%s is no longer the file this save created: left alone", dest)
-        return None
-    return _unlink_torn(dest, ours[0])
+def _recording_what_is_written(into: list[os.stat_result]) -> Callable[[int], None]:
+    """A ``prepare`` for a direct write: checks the file (_regular_and_blocking) and records
+    its identity, so a clean-up removes that file and never one another save put there."""
+
+    def prepare(fd: int) -> None:
+        into.append(os.fstat(fd))
+        _regular_and_blocking(fd)
+
+    return prepare
 
 
 def _unlink_torn(dest: Path, ours: Optional[os.stat_result]) -> bool:

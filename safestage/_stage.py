@@ -385,10 +385,9 @@ def follow_strategy(
     created with O_EXCL when the copy starts, and removed only while it is still that inode
     (an existing file, or one another save publishes before our open, is published after
     the writer, as without following: _publish._direct_new_file). A rename needs the whole
-    file. A save known to
-    be smaller than FOLLOW_MIN_BYTES is not followed: there is nothing to overlap. A save of
-    unknown size (torch.save) only with follow=True; the default (None, "auto") follows only
-    what it knows to be big."""
+    file. A save known to be smaller than FOLLOW_MIN_BYTES is not followed: there is nothing
+    to overlap. A save of unknown size (torch.save) only with follow=True; the default
+    (None, "auto") follows only what it knows to be big."""
     if settings.follow is False:
         return None
     if needs is None:

@@ -69,14 +69,14 @@ def write(path):
     finally:
         os.close(fd)
 
-real = _publish._remove_if_ours
+real = _publish._unlink_torn
 
 def killed_while_abandoning(path, ours):
     kind = type(sys.exc_info()[1]).__name__
     print("ABANDON", kind, os.path.getsize(path) if os.path.exists(path) else -1, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
-_publish._remove_if_ours = killed_while_abandoning
+_publish._unlink_torn = killed_while_abandoning
 with safestage.staged(root, follow=True, publish=publish) as stage:
     stage._save(write, __import__("pathlib").Path(dest))
 print("RETURNED", flush=True)
