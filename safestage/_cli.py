@@ -51,6 +51,9 @@ if TYPE_CHECKING:
     from ._config import Settings
     from ._doctor import Report, SaveReport, StagingReport
 
+# `safestage latest`: 0 found (printed), 1 no complete checkpoint, 2 usage, 3 could not look.
+LATEST_COULD_NOT_LOOK = 3
+
 HOOK_FILES = ("safestage.pth", "safestage.start")  # .pth up to Python 3.14, .start (PEP 829) after
 
 
@@ -182,7 +185,9 @@ def _parser() -> argparse.ArgumentParser:
         help="print the newest complete checkpoint directory in PARENT",
         description="Print the newest complete checkpoint in PARENT: among the directories "
         "matching --pattern, the highest step number in the name (its last run of digits), "
-        "then the latest commit. Exit 1 if none is complete.",
+        "then the latest commit. Exit 0 with the path printed; 1 if none is complete; 3 if it "
+        "could not look (PARENT cannot be listed, or no candidate could be read). A newer "
+        "candidate skipped because it could not be read is named in a WARNING line on stderr.",
     )
     latest.add_argument("parent", metavar="PARENT", type=Path, help="the directory holding the checkpoints")
     latest.add_argument("--pattern", metavar="P", default="checkpoint-*",
@@ -624,13 +629,28 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _latest(args: argparse.Namespace) -> int:
-    from ._verify import latest_complete
+    from ._verify import find_latest
 
     error = _existing_directory("latest", args.parent)
     if error is not None:
         return error
-    found = latest_complete(args.parent, args.pattern, deep=args.deep)
+    try:
+        found, skipped = find_latest(args.parent, args.pattern, deep=args.deep)
+    except OSError as exc:
+        # Not 1 ("no complete checkpoint"): a resume script must not start from scratch
+        # because a FUSE readdir failed or permissions are wrong.
+        print(f"safestage latest: could not look: {exc.strerror}", file=sys.stderr)
+        return LATEST_COULD_NOT_LOOK
+    for path, why in skipped:
+        print(f"safestage latest: WARNING: skipped {path}, which could not be read ({why})", file=sys.stderr)
     if found is None:
+        if skipped:
+            print(
+                f"safestage latest: could not look: no readable complete checkpoint matching "
+                f"{args.pattern!r} in {args.parent}, and {len(skipped)} could not be read",
+                file=sys.stderr,
+            )
+            return LATEST_COULD_NOT_LOOK
         print(f"safestage latest: no complete checkpoint matching {args.pattern!r} in {args.parent}", file=sys.stderr)
         return 1
     print(found)

@@ -51,6 +51,10 @@ class ManifestError(ValueError):
     """A commit file that cannot be trusted: what is wrong with it."""
 
 
+class NewerFormatError(ManifestError):
+    """A commit file of a newer format version: not torn, only unreadable by this safestage."""
+
+
 class Crc32:
     """CRC-32 with the hashlib interface ``publish_file(digest=...)`` expects."""
 
@@ -155,7 +159,7 @@ def parse(data: bytes) -> Manifest:
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise ManifestError(f"bad format version {version!r}")
     if version > VERSION:
-        raise ManifestError(
+        raise NewerFormatError(
             f"written by a newer safestage (format version {version}; this one reads up to "
             f"{VERSION}): upgrade safestage to check it"
         )

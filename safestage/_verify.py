@@ -17,6 +17,7 @@ import errno
 import fnmatch
 import itertools
 import json
+import logging
 import os
 import re
 import stat
@@ -26,8 +27,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ._config import PathArg
-from ._manifest import COMMIT_NAME, MAX_COMMIT_BYTES, Crc32, Manifest, ManifestError, parse
+from ._manifest import (
+    COMMIT_NAME,
+    MAX_COMMIT_BYTES,
+    Crc32,
+    Manifest,
+    ManifestError,
+    NewerFormatError,
+    parse,
+)
 from ._publish import CHUNK_BYTES
+
+log = logging.getLogger("safestage")
 
 # safetensors refuses headers above 100 MB (MAX_HEADER_SIZE in safetensors/src/tensor.rs).
 _MAX_HEADER = 100_000_000
@@ -46,7 +57,8 @@ _DIGITS = re.compile(r"\d+")
 class Problem:
     """One reason a checkpoint is not complete. ``path`` is relative to the checkpoint ("" for
     the checkpoint itself); ``kind`` is one of not-a-directory, no-commit, bad-commit,
-    unsafe-path, missing, not-a-file, unreadable, size, digest, safetensors."""
+    unsafe-path, missing, not-a-file, unreadable (EACCES, EIO, or a newer format version),
+    size, digest, safetensors."""
 
     path: str
     kind: str
@@ -89,7 +101,7 @@ class VerifyResult:
 def verify(path: PathArg, *, deep: bool = False) -> VerifyResult:
     """Check the checkpoint directory ``path`` against its commit file; never raises for
     what it finds (missing files, a torn commit file, a missing directory: all problems)."""
-    directory = Path(os.fspath(path))
+    directory = as_path(path)
     manifest, problem, _ = read_commit(directory)
     if manifest is None:
         assert problem is not None
@@ -112,22 +124,60 @@ def latest_complete(
     """The newest complete checkpoint directory in ``parent`` whose name matches ``pattern``
     (fnmatch, case-sensitive): the highest step number (the last run of digits in the name;
     names without one come last), then the latest commit (the commit file's mtime). None
-    if no directory there is complete. A missing ``parent`` raises FileNotFoundError: a
-    mistyped or unmounted run directory must not look like a run with no checkpoint yet."""
-    base = Path(os.fspath(parent))
-    names = [name for name in os.listdir(base) if fnmatch.fnmatchcase(name, pattern)]
+    if no directory there is complete.
+
+    Never silently older: every newer candidate skipped because it could not be read (its
+    commit file or one of its files gives EACCES or EIO, or it was written by a newer
+    safestage) is logged as a WARNING naming it. A ``parent`` that cannot be listed (missing,
+    EACCES, EIO from a FUSE readdir) raises the OSError: a mistyped, unmounted or unreadable
+    run directory must not look like a run with no checkpoint yet."""
+    found, skipped = find_latest(parent, pattern, deep=deep)
+    for path, why in skipped:
+        log.warning("safestage.latest_complete: skipped %s, which could not be read (%s)", path, why)
+    return found
+
+
+def find_latest(
+    parent: PathArg, pattern: str = "checkpoint-*", *, deep: bool = False
+) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+    """``latest_complete`` and the newer candidates it skipped as unreadable, with why."""
+    base = as_path(parent)
+    try:
+        listing = os.listdir(base)
+    except OSError as exc:
+        raise type(exc)(
+            exc.errno,
+            f"cannot list the checkpoints in {base}: {_text(exc)}: check that it is the run "
+            "directory, that it is mounted and that this user may read it",
+            str(base),
+        ) from exc
+    names = [name for name in listing if fnmatch.fnmatchcase(name, pattern)]
     names.sort(key=step_of, reverse=True)
+    skipped: list[tuple[Path, str]] = []
     for _, group in itertools.groupby(names, key=step_of):
         committed = []
         for name in group:
-            manifest, _, mtime = read_commit(base / name)
+            manifest, problem, mtime = read_commit(base / name)
             if manifest is not None:
                 committed.append((mtime, name, manifest))
+            elif problem is not None and problem.kind == "unreadable":
+                skipped.append((base / name, problem.message))
         committed.sort(key=lambda item: (item[0], item[1]), reverse=True)
         for _, name, manifest in committed:
-            if check(base / name, manifest, deep=deep).complete:
-                return base / name
-    return None
+            result = check(base / name, manifest, deep=deep)
+            if result.complete:
+                return base / name, skipped
+            unreadable = [p for p in result.problems if p.kind == "unreadable"]
+            if unreadable:
+                first = unreadable[0]
+                skipped.append((base / name, f"{first.path}: {first.message}"))
+    return None, skipped
+
+
+def as_path(path: PathArg) -> Path:
+    """``path`` as a Path; bytes paths (which staged_dir accepts) are decoded as the OS does."""
+    text = os.fspath(path)
+    return Path(os.fsdecode(text) if isinstance(text, bytes) else text)
 
 
 def step_of(name: str) -> int:
@@ -158,6 +208,8 @@ def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem],
         os.close(fd)
     try:
         manifest = parse(data)
+    except NewerFormatError as exc:
+        return None, Problem(COMMIT_NAME, "unreadable", f"cannot read the commit file: {exc}"), 0.0
     except ManifestError as exc:
         return None, Problem(COMMIT_NAME, "bad-commit", f"the commit file cannot be trusted: {exc}"), 0.0
     return manifest, None, info.st_mtime
@@ -166,12 +218,12 @@ def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem],
 def check(directory: Path, manifest: Manifest, *, deep: bool) -> VerifyResult:
     """Every file of ``manifest`` against ``directory``: type and size; deep, content too."""
     result = VerifyResult(directory, deep, manifest)
-    safe_dirs: dict[str, Optional[str]] = {}  # parent path -> why it is unsafe (None: fine)
+    safe_dirs: dict[str, Optional[tuple[str, str]]] = {}  # parent -> (kind, why); None: fine
     for entry in manifest.files:
         result.files_checked += 1
-        why = _parents_problem(directory, entry.path, safe_dirs)
-        if why is not None:
-            result.problems.append(Problem(entry.path, "unsafe-path", why))
+        parent_problem = _parents_problem(directory, entry.path, safe_dirs)
+        if parent_problem is not None:
+            result.problems.append(Problem(entry.path, *parent_problem))
             continue
         target = directory / entry.path
         try:
@@ -195,20 +247,28 @@ def check(directory: Path, manifest: Manifest, *, deep: bool) -> VerifyResult:
     return result
 
 
-def _parents_problem(directory: Path, path: str, safe: dict[str, Optional[str]]) -> Optional[str]:
-    """Why a parent directory of ``path`` inside the checkpoint cannot be trusted (a symlink
-    could lead outside it), each checked once per verify; None when all are real directories."""
+def _parents_problem(
+    directory: Path, path: str, safe: dict[str, Optional[tuple[str, str]]]
+) -> Optional[tuple[str, str]]:
+    """(kind, why) when a parent directory of ``path`` inside the checkpoint is gone
+    ("missing"), cannot be inspected ("unreadable") or cannot be trusted, a symlink could lead
+    outside it ("unsafe-path"); each checked once per verify; None when all are real
+    directories."""
     parts = path.split("/")[:-1]
     for depth in range(1, len(parts) + 1):
         parent = "/".join(parts[:depth])
         if parent not in safe:
             try:
                 info = os.lstat(directory / parent)
+            except (FileNotFoundError, NotADirectoryError):
+                safe[parent] = ("missing", f"listed in the commit file; its directory {parent} is not there")
             except OSError as exc:
-                safe[parent] = f"its directory {parent} cannot be inspected: {_text(exc)}"
+                safe[parent] = ("unreadable", f"its directory {parent} cannot be inspected: {_text(exc)}")
             else:
                 safe[parent] = (
-                    None if stat.S_ISDIR(info.st_mode) else f"its directory {parent} is not a directory (a symlink?)"
+                    None
+                    if stat.S_ISDIR(info.st_mode)
+                    else ("unsafe-path", f"its directory {parent} is not a directory (a symlink?)")
                 )
         if safe[parent] is not None:
             return safe[parent]
