@@ -1,4 +1,5 @@
-"""The `safestage` command: doctor, run, status, clean, demo. The only module that prints.
+"""The `safestage` command: doctor, run, status, clean, verify, latest, demo, kit. The only
+module that prints.
 
 Exit status: 0 all good; 1 the command found a problem (doctor: a plain save fails or loses
 data here, or staging is not possible / fails too; status: a SAFESTAGE_* variable is bad;
@@ -204,7 +205,61 @@ def _parser() -> argparse.ArgumentParser:
         "safestage, and print what happened side by side.",
     )
     demo.set_defaults(handler=_demo)
+
+    kit = commands.add_parser(
+        "kit",
+        help="bring a hostile FUSE mount of the testing kit up, or down, for a shell session",
+        description="Mount one of the testing kit's hostile filesystems (safestage.testing; "
+        "needs fuse3 and /dev/fuse) and keep it after this command exits, to try your own "
+        "training script against it; `kit down` unmounts it.",
+    )
+    kit_commands = kit.add_subparsers(dest="kit_command", metavar="{up,down}", required=True)
+    up = kit_commands.add_parser("up", help="mount MODE at PATH and keep it mounted")
+    up.add_argument("mode", metavar="MODE", help="hdfs, eopnotsupp, objectstore, mountpoint, close-eio, slow or passthrough")
+    up.add_argument("path", metavar="PATH", type=Path, help="the mountpoint: an empty directory (created if missing)")
+    up.add_argument("--backing", metavar="DIR", type=Path, default=None,
+                    help="where the bytes really go (default: a new directory under the system temp dir, kept)")  # fmt: skip
+    up.add_argument("--mbps", metavar="N", type=float, default=None, help="pace writes to N MB/s (slow: 200)")
+    up.set_defaults(handler=_kit_up)
+    down = kit_commands.add_parser("down", help="unmount a kit mount that `kit up` made")
+    down.add_argument("path", metavar="PATH", type=Path, help="the mountpoint")
+    down.set_defaults(handler=_kit_down)
     return parser
+
+
+def _kit_up(args: argparse.Namespace) -> int:
+    from .testing import MODES, FuseUnavailable
+    from .testing._mount import KeptMount
+
+    if args.mode not in MODES:
+        return _usage_error("kit up", f"unknown mode {args.mode!r}: choose one of {', '.join(MODES)}")
+    backing = args.backing
+    if backing is None:
+        import tempfile
+
+        backing = Path(tempfile.mkdtemp(prefix=f"safestage-kit-{args.mode}-"))
+    try:
+        mount = KeptMount(args.mode, args.path, mbps=args.mbps, backing=backing).start()
+    except FuseUnavailable as exc:
+        print(f"safestage kit up: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, RuntimeError, OSError) as exc:
+        return _usage_error("kit up", str(exc))
+    pace = f", writes paced to {mount.mbps:g} MB/s" if mount.mbps else ""
+    print(f"mounted {mount.mode} at {mount.path} (bytes in {mount.backing}{pace}; server log {mount.log_path})")
+    print(f"unmount with: safestage kit down {mount.path}")
+    return 0
+
+
+def _kit_down(args: argparse.Namespace) -> int:
+    from .testing._mount import unmount_kept
+
+    try:
+        politely = unmount_kept(args.path)
+    except (ValueError, RuntimeError) as exc:
+        return _usage_error("kit down", str(exc))
+    print(f"unmounted {args.path}" + ("" if politely else " (lazily: files were still open on it)"))
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -302,7 +302,7 @@ class HostileMount:
             raise ValueError(f"mountpoint {path} is not empty (its contents would be hidden)")
         return path
 
-    def _spawn(self) -> None:
+    def _server_command(self) -> list[str]:
         assert self._ctl is not None
         cmd = [
             sys.executable,
@@ -317,6 +317,11 @@ class HostileMount:
             cmd += ["--mbps", repr(float(self.mbps))]
         for directory in self._owned_dirs:
             cmd += ["--orphan-cleanup", str(directory)]
+        return cmd
+
+    def _spawn(self) -> None:
+        assert self._ctl is not None
+        cmd = self._server_command()
         # stderr to a file, not a pipe: a chatty server must never block on a full pipe.
         with open(self._ctl / "server.log", "wb") as log_file:
             self._proc = subprocess.Popen(
@@ -412,6 +417,52 @@ class HostileMount:
             subprocess.run(cmd, capture_output=True, timeout=_COMMAND_TIMEOUT, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.debug("%s failed: %s", cmd, exc)
+
+
+class KeptMount(HostileMount):
+    """A hostile mount that outlives the process that made it (``safestage kit up``): the
+    server does not watch its parent, and the mountpoint, the backing directory and the
+    server's log stay until :func:`unmount_kept` (``safestage kit down``)."""
+
+    def _server_command(self) -> list[str]:
+        cmd = super()._server_command()
+        at = cmd.index("--parent-pid")
+        del cmd[at : at + 2]
+        while "--orphan-cleanup" in cmd:
+            at = cmd.index("--orphan-cleanup")
+            del cmd[at : at + 2]
+        return cmd
+
+    def start(self) -> KeptMount:
+        super().start()
+        self._owned_dirs = []  # kept: the caller unmounts with unmount_kept()
+        return self
+
+    @property
+    def log_path(self) -> Path:
+        assert self._ctl is not None
+        return self._ctl / "server.log"
+
+
+def is_kit_mount(path: PathLike) -> bool:
+    """Whether a hostile mount of this kit is mounted exactly at ``path``."""
+    return mount_fstype(path) == "fuse.safestage"
+
+
+def unmount_kept(path: PathLike) -> bool:
+    """Unmount the kit mount at ``path``; its server then exits. True if no process held a
+    file open on it; False if it was busy and was unmounted lazily (the server serves those
+    files until they are closed). ValueError if no kit mount is there."""
+    if not is_kit_mount(path):
+        raise ValueError(f"{path} is not a mount of the safestage kit (mounted: {mount_fstype(path)})")
+    target = os.path.realpath(path)
+    for lazy, cmds in ((False, (["fusermount3", "-u", target], ["umount", target])),
+                       (True, (["fusermount3", "-u", "-z", target], ["umount", "-l", target]))):  # fmt: skip
+        for cmd in cmds:
+            HostileMount._run_quietly(cmd)
+            if not is_kit_mount(target):
+                return not lazy
+    raise RuntimeError(f"could not unmount {target}: try `umount -l {target}` as root")
 
 
 @contextlib.contextmanager
