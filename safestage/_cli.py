@@ -266,7 +266,7 @@ def _demo(args: argparse.Namespace) -> int:
     import textwrap
 
     from .testing import FuseUnavailable
-    from .testing._demo import run_demo
+    from .testing._demo import THE_DIFFERENCE, run_demo
 
     try:
         rows = run_demo(progress=lambda text: print(f"... {text}", file=sys.stderr))
@@ -290,6 +290,10 @@ def _demo(args: argparse.Namespace) -> int:
                 f"{right[index] if index < len(right) else '':<{width}}   "
                 f"{row.verdict if first else ''}"
             )
+    print("\nThe one change that made the difference, around the same save_file() call:\n")
+    for line in THE_DIFFERENCE:
+        print(f"    {line}")
+    print("\nor none at all in the code: SAFESTAGE_DIR=/local/scratch python train.py")
     broken = [row.destination for row in rows if row.verdict == "BROKEN"]
     if broken:
         print(f"\nsafestage did not fix: {', '.join(broken)}", file=sys.stderr)
@@ -416,7 +420,7 @@ def _save_text(save: SaveReport, *, plain: bool) -> str:
             else ""
         )
         return f"ok  ({how}loads back equal; mode {save.mode}{note})"
-    label = "DATA LOSS" if save.result == "data-loss" else "FAILED"
+    label = {"data-loss": "DATA LOSS", "cannot-run": "CANNOT RUN"}.get(save.result, "FAILED")
     return f"{label}  {save.error}"
 
 
@@ -661,7 +665,8 @@ def _activation_text(report: Mapping[str, Any]) -> str:
 def _verify(args: argparse.Namespace) -> int:
     from ._verify import verify
 
-    result = verify(args.path, deep=args.deep)
+    with _progress_bar(enabled=args.deep and not args.json) as progress:
+        result = verify(args.path, deep=args.deep, progress=progress)
     if args.json:
         _print_json(result.to_json())
         return 0 if result.complete else 1
@@ -681,6 +686,30 @@ def _verify(args: argparse.Namespace) -> int:
     if args.deep and result.extra:
         print(f"  not in the commit file (ignored): {', '.join(result.extra)}")
     return 0 if result.complete else 1
+
+
+@contextmanager
+def _progress_bar(*, enabled: bool) -> Iterator[Optional[Callable[[int, int], None]]]:
+    """A tqdm bar of bytes on stderr for long work, only when both streams are a terminal:
+    a pipe, a log file or ``$(...)`` gets no progress lines."""
+    if not (enabled and sys.stderr.isatty() and sys.stdout.isatty()):
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar: Optional[Any] = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reading", leave=False)
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _latest(args: argparse.Namespace) -> int:

@@ -23,7 +23,8 @@ Stable keys (schema 1)::
                     of a tiny tensor without staging
     staged_save     the same save through safestage, same keys.
                     result: "ok" | "failed" | "data-loss" (returned success, file missing or
-                    different) | "not-run"; errno: errno name of a failure or null; step: the
+                    different) | "cannot-run" (this Python cannot save safetensors at all: a
+                    missing module such as numpy, named in error) | "not-run"; errno: errno name of a failure or null; step: the
                     publishing step that failed (staged_save only); mode: octal string of the
                     saved file ("0600"); strategy: how safestage published it (staged_save only)
     cleanup         {removed, error}: whether the probe directory (and any staged copy a
@@ -31,7 +32,7 @@ Stable keys (schema 1)::
     verdict         "plain-ok" | "needs-staging" | "unsafe" (even a staged save fails or loses
                     data) | "staging-unusable" (a plain save fails and the staging root is
                     unusable, so no staged save could be tried) | "unknown" (no probe
-                    directory could be made)
+                    directory could be made, or plain_save is "cannot-run")
     problems        [text]: empty exactly when the exit status is 0
     recommendation  {env: {VAR: value}, text}
 """
@@ -413,15 +414,28 @@ def _sample() -> dict[str, Any]:
     return {"probe": torch.arange(64, dtype=torch.float32).reshape(8, 8)}
 
 
+def _cannot_save(exc: ImportError) -> SaveReport:
+    """This Python cannot save safetensors anywhere: a module is missing, not the destination.
+    (safetensors' torch API imports numpy to save but declares it only in its [torch] extra.)"""
+    missing = exc.name or str(exc)
+    return SaveReport(
+        result="cannot-run",
+        error=f"this Python cannot save safetensors at all: {type(exc).__name__}: {exc}. "
+        f"Install it (pip install {missing.split('.')[0]}), then run safestage doctor again",
+    )
+
+
 def _plain_save(directory: Path, timeout: float) -> SaveReport:
     """What a plain safetensors 0.8 save does here: temp file, ftruncate, rename."""
-    from safetensors.torch import save_file
-
-    tensors = _sample()
-    target = directory / "plain.safetensors"
     try:
+        from safetensors.torch import save_file
+
+        tensors = _sample()
+        target = directory / "plain.safetensors"
         with _patch.bypass(), _deadline(timeout):
             save_file(tensors, str(target))
+    except ImportError as exc:
+        return _cannot_save(exc)
     except Exception as exc:
         return SaveReport(result="failed", error=_describe(exc), errno=_errno_of(exc))
     return _verify(target, tensors, SaveReport(result="ok"))
@@ -430,16 +444,21 @@ def _plain_save(directory: Path, timeout: float) -> SaveReport:
 def _staged_save(
     directory: Path, settings: Settings, timeout: float, kept_copy: list[Path]
 ) -> SaveReport:
-    from safetensors.torch import save_file
-
     from ._api import Stage
 
-    tensors = _sample()
+    try:
+        from safetensors.torch import save_file
+
+        tensors = _sample()
+    except ImportError as exc:
+        return _cannot_save(exc)
     target = directory / "staged.safetensors"
     stage = Stage(settings)
     try:
         with _deadline(timeout), stage:
             save_file(tensors, str(target))
+    except ImportError as exc:
+        return _cannot_save(exc)
     except PublishError as exc:
         kept_copy.extend(_kept_private_dir(exc, settings))
         return SaveReport(result="failed", error=str(exc), errno=_errno_of(exc), step=exc.step)
@@ -488,6 +507,13 @@ def _verify(target: Path, tensors: dict[str, Any], report: SaveReport) -> SaveRe
 def _conclude(report: Report) -> None:
     """Problems are one line each; the sections above them hold the details."""
     plain, staged = report.plain_save, report.staged_save
+    if plain.result == "cannot-run":
+        # Not the destination's fault: say what is missing and conclude nothing about PATH.
+        assert plain.error is not None
+        report.problems.append(plain.error)
+        report.verdict = "unknown"
+        report.recommendation = {"env": {}, "text": f"none yet: {plain.error}"}
+        return
     if plain.result != "not-run" and plain.result != "ok":
         report.problems.append(f"a plain safetensors save {_outcome(plain)}")
     if not report.staging.usable:

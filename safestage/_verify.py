@@ -24,7 +24,7 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ._config import PathArg
 from ._manifest import (
@@ -51,6 +51,8 @@ _DTYPE_BITS = {
     "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }  # fmt: skip
 _DIGITS = re.compile(r"\d+")
+# ``progress(bytes_read, total_bytes)`` after each chunk a deep verify reads (the CLI's bar).
+Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -98,9 +100,12 @@ class VerifyResult:
         }
 
 
-def verify(path: PathArg, *, deep: bool = False) -> VerifyResult:
+def verify(
+    path: PathArg, *, deep: bool = False, progress: Optional[Progress] = None
+) -> VerifyResult:
     """Check the checkpoint directory ``path`` against its commit file; never raises for
-    what it finds (missing files, a torn commit file, a missing directory: all problems)."""
+    what it finds (missing files, a torn commit file, a missing directory: all problems).
+    ``progress(bytes_read, total_bytes)`` is called as a deep verify reads."""
     directory = as_path(path)
     manifest, problem, _ = read_commit(directory)
     if manifest is None:
@@ -109,7 +114,7 @@ def verify(path: PathArg, *, deep: bool = False) -> VerifyResult:
             what = "does not exist" if not os.path.lexists(directory) else "is not a directory"
             problem = Problem("", "not-a-directory", f"{directory} {what}")
         return VerifyResult(directory, deep, problems=[problem])
-    return check(directory, manifest, deep=deep)
+    return check(directory, manifest, deep=deep, progress=progress)
 
 
 def is_complete(path: PathArg) -> bool:
@@ -215,9 +220,19 @@ def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem],
     return manifest, None, info.st_mtime
 
 
-def check(directory: Path, manifest: Manifest, *, deep: bool) -> VerifyResult:
+def check(
+    directory: Path, manifest: Manifest, *, deep: bool, progress: Optional[Progress] = None
+) -> VerifyResult:
     """Every file of ``manifest`` against ``directory``: type and size; deep, content too."""
     result = VerifyResult(directory, deep, manifest)
+    report = None
+    if deep and progress is not None:
+        total = manifest.total_bytes
+
+        def report(count: int) -> None:
+            result.bytes_read += count
+            progress(result.bytes_read, total)
+
     safe_dirs: dict[str, Optional[tuple[str, str]]] = {}  # parent -> (kind, why); None: fine
     for entry in manifest.files:
         result.files_checked += 1
@@ -241,7 +256,7 @@ def check(directory: Path, manifest: Manifest, *, deep: bool) -> VerifyResult:
                 Problem(entry.path, "size", f"{info.st_size} bytes, the commit file says {entry.size}")
             )
         elif deep:
-            result.problems += _deep_problems(target, entry.path, entry.digest, entry.size, result)
+            result.problems += _deep_problems(target, entry.path, entry.digest, entry.size, result, report)
     if deep:
         result.extra = _extra_files(directory, manifest)
     return result
@@ -276,7 +291,12 @@ def _parents_problem(
 
 
 def _deep_problems(
-    target: Path, path: str, digest: str, size: int, result: VerifyResult
+    target: Path,
+    path: str,
+    digest: str,
+    size: int,
+    result: VerifyResult,
+    report: Optional[Callable[[int], None]] = None,
 ) -> list[Problem]:
     problems = []
     try:
@@ -295,7 +315,10 @@ def _deep_problems(
         with os.fdopen(os.dup(fd), "rb", buffering=0) as source:
             while count := source.readinto(buffer):
                 crc.update(view[:count])
-                result.bytes_read += count
+                if report is None:
+                    result.bytes_read += count
+                else:
+                    report(count)
     except OSError as exc:
         problems.append(Problem(path, "unreadable", _text(exc)))
         return problems

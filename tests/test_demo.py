@@ -36,5 +36,6 @@ def test_demo_command_exits_zero_and_prints_the_table(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "safetensors alone" in result.stdout and "through safestage" in result.stdout
+    assert "    with safestage.staged():\n        save_file(tensors, path)\n" in result.stdout
     verdicts = [line.split()[-1] for line in result.stdout.splitlines() if line.rstrip().endswith(("fixed", "loud"))]
     assert verdicts == ["fixed"] * 4 + ["loud"] + ["fixed"] * 3
