@@ -279,7 +279,7 @@ def _demo(args: argparse.Namespace) -> int:
     width = 44
     print(f"{'destination':<18} {'safetensors alone':<{width}}   {'through safestage':<{width}}   verdict")
     print(f"{'-' * 18} {'-' * width}   {'-' * width}   {'-' * 9}")
-    for row in rows:
+    for row in [row for row in rows if row.missing is None]:
         left = textwrap.wrap(row.plain, width) or [""]
         right = textwrap.wrap(row.staged, width) or [""]
         for index in range(max(len(left), len(right))):
@@ -294,6 +294,11 @@ def _demo(args: argparse.Namespace) -> int:
     for line in THE_DIFFERENCE:
         print(f"    {line}")
     print("\nor none at all in the code: SAFESTAGE_DIR=/local/scratch python train.py")
+    missing = [row for row in rows if row.missing is not None]
+    if missing:
+        print("\nNot shown, for what this machine lacks (install it and run the demo again):", file=sys.stderr)
+        for row in missing:
+            print(f"  {row.destination}: {row.missing}", file=sys.stderr)
     broken = [row.destination for row in rows if row.verdict == "BROKEN"]
     if broken:
         print(f"\nsafestage did not fix: {', '.join(broken)}", file=sys.stderr)

@@ -39,3 +39,25 @@ def test_demo_command_exits_zero_and_prints_the_table(tmp_path):
     assert "    with safestage.staged():\n        save_file(tensors, path)\n" in result.stdout
     verdicts = [line.split()[-1] for line in result.stdout.splitlines() if line.rstrip().endswith(("fixed", "loud"))]
     assert verdicts == ["fixed"] * 4 + ["loud"] + ["fixed"] * 3
+
+
+def test_demo_without_moto_shows_the_rows_it_could_mount_and_names_what_to_install(tmp_path):
+    """Outside the dev venv moto is often missing: the demo still shows the kit's mounts and
+    the local disk, and says what to install for the real S3 mounts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    code = (
+        "import sys\n"
+        "sys.modules['moto'] = None  # as if not installed: find_spec('moto') is None\n"
+        "from safestage._cli import main\n"
+        "sys.exit(main(['demo']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = [line.split()[0] for line in result.stdout.splitlines() if line.rstrip().endswith(("fixed", "loud"))]
+    assert shown == ["hdfs", "eopnotsupp", "objectstore", "mountpoint", "close-eio", "local"]
+    assert "starting a local S3 server" not in result.stderr
+    for mode in ("rclone-s3 (real)", "s3fs (real)"):
+        line = next(line for line in result.stderr.splitlines() if line.strip().startswith(mode))
+        assert "moto is not installed" in line and "pip install" in line, line

@@ -37,9 +37,12 @@ class DemoRow:
     plain_ok: bool
     staged_ok: bool
     staged_loud: bool = False  # the staged save raised PublishError instead of losing data
+    missing: Optional[str] = None  # not shown: what this machine lacks for it, and how to install it
 
     @property
     def verdict(self) -> str:
+        if self.missing is not None:
+            return "not shown"
         if self.staged_ok:
             return "fixed" if not self.plain_ok or "0o600" in self.plain else "fine"
         return "made loud" if self.staged_loud else "BROKEN"
@@ -84,14 +87,26 @@ def _outcome(directory: Path, name: str, tensors: dict[str, Any]) -> tuple[bool,
     return equal, f"{'loads back equal' if equal else 'WRONG DATA'}, mode {mode}{tail}"
 
 
+def _not_shown(destination: str, reason: str) -> DemoRow:
+    return DemoRow(destination, "", "", False, False, missing=reason)
+
+
 def run_demo(
     *, root: Optional[Path] = None, progress: Optional[Callable[[str], None]] = None
 ) -> list[DemoRow]:
-    """Mount each hostile mode, save plainly, then through safestage; report both."""
+    """Mount each hostile mode, save plainly, then through safestage; report both. A
+    destination this machine cannot mount (no FUSE; rclone, s3fs or moto missing) is a row
+    that says what to install, and the others are still shown."""
     from safetensors.torch import save_file
 
     import safestage
-    from safestage.testing import S3Server, hostile_mount, real_mount
+    from safestage.testing import (
+        S3Server,
+        fuse_available,
+        hostile_mount,
+        real_available,
+        real_mount,
+    )
 
     tensors = _tensors()
     rows: list[DemoRow] = []
@@ -100,16 +115,27 @@ def run_demo(
         staging_root = root or base / "staging"
         staging_root.mkdir(exist_ok=True)
         destinations: list[tuple[str, Path, bool]] = []
+        fuse_ok, fuse_reason = fuse_available()
         for mode in DEMO_MODES:
+            if not fuse_ok:
+                rows.append(_not_shown(f"{mode} (FUSE)", fuse_reason))
+                continue
             if progress:
                 progress(f"mounting a real '{mode}' FUSE filesystem")
             mount = stack.enter_context(hostile_mount(mode, base / f"mnt-{mode}"))
             destinations.append((f"{mode} (FUSE)", Path(mount.path), False))
-        if progress:
-            progress("starting a local S3 server (moto, 127.0.0.1)")
-        server = S3Server().start()
-        stack.callback(server.stop)  # after the mounts on it (the stack unwinds in reverse)
+        available = {mode: real_available(mode) for mode in DEMO_REAL_MODES}
+        server = None
         for mode in DEMO_REAL_MODES:
+            ok, reason = available[mode]
+            if not ok:
+                rows.append(_not_shown(f"{mode} (real)", reason))
+                continue
+            if server is None:
+                if progress:
+                    progress("starting a local S3 server (moto, 127.0.0.1)")
+                server = S3Server().start()
+                stack.callback(server.stop)  # after the mounts on it (the stack unwinds in reverse)
             if progress:
                 progress(f"mounting a bucket with the real {mode.split('-')[0]}")
             real = stack.enter_context(real_mount(mode, base / f"mnt-{mode}", server=server))
