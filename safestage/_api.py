@@ -55,7 +55,7 @@ class Stage(contextlib.ContextDecorator):
             raise RuntimeError(
                 "this safestage Stage was already used; call safestage.staged() again for a new one"
             )
-        _save.staging_root(self.settings)  # a bad root fails here, before any save
+        _save.staging_root(self.settings, opening=True)  # a bad root fails here, before any save
         _background.adopt(self)  # its saves may publish in the background in this process
         self._state = "open"
         self._opened_by = threading.get_ident()

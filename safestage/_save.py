@@ -66,15 +66,20 @@ _roots: dict[tuple[int, Path, bool], StagingRoot] = {}
 _roots_lock = threading.Lock()
 
 
-def staging_root(settings: Settings) -> StagingRoot:
+def staging_root(settings: Settings, *, opening: bool = False) -> StagingRoot:
     """The checked staging root of ``settings``: built (checked, swept) on first use in this
-    process, then reused while the directory is still there as itself."""
+    process, then reused while the directory is still there as itself. ``opening`` (an
+    activation, a plugin made): a root removed since is checked again, so that the
+    activation fails as on first use."""
     path = settings.staging_root()
-    key = (os.getpid(), path, settings.root is None)
+    is_default = settings.root is None
+    key = (os.getpid(), path, is_default)
     with _roots_lock:
         root = _roots.get(key)
-        if root is None or not root.unchanged():
-            root = StagingRoot(path, is_default=settings.root is None)
+        if root is not None and not (is_default or opening) and not os.path.lexists(root.path):
+            return root  # removed since: its next save says so ("it no longer exists")
+        if root is None or not root.unchanged():  # the default root is made again
+            root = StagingRoot(path, is_default=is_default)
             _roots[key] = root
         return root
 

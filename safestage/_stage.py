@@ -1,7 +1,8 @@
-"""The staging root, one private directory per save, and the save itself.
+"""The staging root (StagingRoot), one save directory per save (SaveDir), and the steps of a
+save that _save plans and runs: write a local copy (LocalCopy), follow it, publish it.
 
-Each save is serialized by the *original* writer into a fresh 0700 directory under a local
-POSIX staging root, then handed to _publish. The private directory is what makes a shared,
+Each save is serialized by the *original* writer into a fresh 0700 save directory under a
+local POSIX staging root, then handed to _publish. The save directory is what makes a shared,
 world-writable root safe: nobody else can plant a file or symlink inside it.
 """
 

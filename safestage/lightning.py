@@ -87,7 +87,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self.settings = _config.resolve(
             root=root, publish=publish, fsync=fsync, background=background, max_pending=max_pending
         )
-        _save.staging_root(self.settings)  # a bad root fails here; checked once per process
+        _save.staging_root(self.settings, opening=True)  # a bad root fails here; checked once per process
         self.checkpoint_io: CheckpointIO = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
         self.records: list[PublishRecord] = []
         _background.adopt(self)  # its saves may publish in the background in this process
