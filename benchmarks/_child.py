@@ -124,7 +124,7 @@ def run_contender(spec: dict[str, Any]) -> dict[str, Any]:
     if stage is not None:
         strategies: dict[str, int] = {}
         for record in stage.records:
-            strategies[record.strategy] = strategies.get(record.strategy, 0) + 1
+            strategies[record.publish] = strategies.get(record.publish, 0) + 1
         result["strategies"] = strategies
         result["serialize_seconds"] = sum(r.serialize_seconds for r in stage.records)
         result["publish_seconds"] = sum(r.publish_seconds for r in stage.records)

@@ -238,12 +238,12 @@ def bench_destination(
             cpu_before = _cpu_seconds()
             if contender == "commit":
                 seconds = run_commit(source, dest, root, digest=True)
-                assert safestage.is_complete(dest)
+                assert safestage.verify(dest).complete
             elif contender == "commit-nodigest":
                 seconds = run_commit(source, dest, root, digest=False)
             elif contender == "commit-direct":
                 seconds = run_commit(source, dest, root, digest=True, publish="direct")
-                assert safestage.is_complete(dest)
+                assert safestage.verify(dest).complete
             elif contender == "copy-loop":
                 seconds = run_copy_loop(source, dest)
             else:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ._commit import StagedDir, staged_dir
     from ._in_place import commit_in_place
     from ._manifest import COMMIT_NAME, FileEntry, Manifest
-    from ._verify import Problem, VerifyResult, is_complete, latest_complete, verify
+    from ._verify import Problem, VerifyResult, latest_complete, verify
 
 # The checkpoint API is imported on first use: the start-up hook imports this package in
 # every process of a job with SAFESTAGE_* set, and the directory-commit modules cost ~20 ms.
@@ -39,15 +39,19 @@ _LAZY = {
     "Manifest": "_manifest",
     "Problem": "_verify",
     "VerifyResult": "_verify",
-    "is_complete": "_verify",
     "latest_complete": "_verify",
     "verify": "_verify",
 }
+
+_REMOVED = {"is_complete": "safestage.verify(path).complete"}
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        replaced = _REMOVED.get(name)
+        if replaced is not None:
+            raise AttributeError(f"safestage.{name} was removed in 0.2: use {replaced}")
         raise AttributeError(f"module 'safestage' has no attribute {name!r}")
     import importlib
 
@@ -75,7 +79,6 @@ __all__ = [
     "activate",
     "commit_in_place",
     "is_active",
-    "is_complete",
     "latest_complete",
     "staged",
     "staged_dir",

@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
@@ -39,7 +39,9 @@ T = TypeVar("T")
 
 
 class BackgroundPublisher:
-    """A process-wide pool of publishing threads with a bound on pending files."""
+    """A process-wide pool of publishing threads with a bound on pending files. It owns every
+    background publish's future and error: an owner (a Stage, a Lightning plugin) waits for
+    its own with ``wait(owner)``, ``safestage.wait()`` for all of them."""
 
     def __init__(self, workers: int = 8) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -49,10 +51,16 @@ class BackgroundPublisher:
         self._condition = threading.Condition()
         # ticket -> (destination, where its complete staged copy is), while publishing
         self._pending: dict[object, tuple[Path, Optional[Path]]] = {}
-        self._unobserved: dict[Future[object], Path] = {}  # insertion-ordered
+        self._unobserved: dict[Future[object], object] = {}  # future -> owner, insertion-ordered
 
     def submit(
-        self, job: Callable[[], T], dest: Path, *, max_pending: int, kept: Optional[Path] = None
+        self,
+        job: Callable[[], T],
+        dest: Path,
+        *,
+        max_pending: int,
+        owner: object,
+        kept: Optional[Path] = None,
     ) -> Future[T]:
         """Run ``job`` on a worker once fewer than ``max_pending`` files are publishing and
         no earlier publish of ``dest`` is pending. Blocks the caller until then."""
@@ -83,7 +91,7 @@ class BackgroundPublisher:
                 future = _run_inline(job)
             for done in [f for f in self._unobserved if f.done() and f.exception() is None]:
                 del self._unobserved[done]  # nothing to raise: a long run keeps no history
-            self._unobserved[future] = dest  # type: ignore[index]
+            self._unobserved[future] = owner  # type: ignore[index]
         return future
 
     def _publishing(self, dest: Path) -> bool:
@@ -95,15 +103,21 @@ class BackgroundPublisher:
         with self._condition:
             self._condition.wait_for(lambda: not self._publishing(dest))
 
-    def wait(self, futures: Optional[Iterable[Future[object]]] = None) -> None:
-        """Wait for ``futures`` (default: every publish in the process); raise the first error,
-        with a note naming every other destination that failed (each was also reported when
-        it failed). Each error is raised once: a publish already waited for is skipped."""
+    def running(self, owner: object) -> list[Future[object]]:
+        """``owner``'s publishes not finished yet."""
         with self._condition:
-            if futures is None:
-                chosen = list(self._unobserved)
-            else:
-                chosen = [f for f in futures if f in self._unobserved]
+            return [f for f, o in self._unobserved.items() if o is owner and not f.done()]
+
+    def wait(self, owner: object = None, *, finished_only: bool = False) -> None:
+        """Wait for ``owner``'s publishes (None: every publish in the process); raise the
+        first error, with a note naming every other destination that failed (each was also
+        reported when it failed). Each error is raised once: a publish already waited for is
+        skipped. ``finished_only``: do not wait, raise what has already failed."""
+        with self._condition:
+            chosen = [
+                f for f, o in self._unobserved.items()
+                if (owner is None or o is owner) and (f.done() or not finished_only)
+            ]  # fmt: skip
         failed = [(future, error) for future in chosen if (error := future.exception()) is not None]
         with self._condition:
             for future in chosen:
@@ -135,6 +149,9 @@ class BackgroundPublisher:
 
 _publisher: Optional[BackgroundPublisher] = None
 _publisher_lock = threading.Lock()
+# Who may publish in the background here: owners adopted in this very process (a forked
+# child inherits the parent's Stages and plugins but none of their publishes: reset at fork).
+_owners: weakref.WeakSet[object] = weakref.WeakSet()
 
 
 def publisher() -> BackgroundPublisher:
@@ -146,10 +163,34 @@ def publisher() -> BackgroundPublisher:
         return _publisher
 
 
-def wait_all() -> None:
-    """safestage.wait(): wait for every pending background publish; raise the first error."""
-    if _publisher is not None:
-        _publisher.wait()
+def adopt(owner: object) -> None:
+    """``owner`` (a Stage opening, a plugin made or unpickled) lives in this process: its
+    saves may publish in the background here."""
+    _owners.add(owner)
+
+
+def may_defer(owner: object) -> bool:
+    """Whether a save of ``owner`` may return before its publish: only in the process that
+    adopted it, and not in a multiprocessing child. A forked child, or a Pool worker (any
+    start method) that may be terminated as soon as its task returns, publishes before its
+    save returns."""
+    if owner not in _owners:
+        return False
+    multiprocessing = sys.modules.get("multiprocessing")
+    return multiprocessing is None or multiprocessing.parent_process() is None
+
+
+def wait(owner: object = None, *, finished_only: bool = False) -> None:
+    """Wait for ``owner``'s background publishes (None: every one in the process, as
+    ``safestage.wait()``); raise the first error."""
+    current = _publisher
+    if current is not None and current.pid == os.getpid():
+        current.wait(owner, finished_only=finished_only)
+
+
+def running(owner: object) -> list[Future[object]]:
+    current = _publisher
+    return current.running(owner) if current is not None and current.pid == os.getpid() else []
 
 
 def settle(dest: Path) -> None:
@@ -217,9 +258,10 @@ def _finalize_in_multiprocessing_child() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _publisher, _publisher_lock
+    global _publisher, _publisher_lock, _owners
     _publisher = None  # the parent's pool threads and futures do not exist here
     _publisher_lock = threading.Lock()
+    _owners = weakref.WeakSet()
 
 
 atexit.register(_complete_at_exit)

@@ -5,8 +5,9 @@ pickles, DCP's .metadata). A job killed while writing one in place leaves a dire
 looks complete and is not, and no destination we serve can fix that with a directory rename
 (mountpoint-s3 has none, gcsfuse's is not atomic). So:
 
-1. the block writes the checkpoint into a fresh local directory (a private staging
-   directory of ``_stage``, locked, 0700); saves into it are not staged a second time;
+1. the block writes the checkpoint into a fresh local directory (in a save directory
+   under the staging root, locked, 0700, from ``_save``); saves into it are not staged
+   a second time;
 2. on success, the destination's commit file is removed first, so that a commit killed
    half-way can never leave an old commit file vouching for a mix of old and new files;
 3. every file is published by ``_publish.publish_file`` (rename / replace / direct, size
@@ -38,14 +39,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Optional
 
-from . import _config, _patch
+from . import _config, _patch, _save
 from ._config import UNSET, PathArg, Settings
 from ._errors import PublishError
 from ._manifest import COMMIT_NAME, Crc32, FileEntry, Manifest, new_manifest, unsafe_path
 from ._names import DISPOSABLE_MARKER, is_writer_temp
 from ._paths import real_directory
 from ._publish import Digest, Published, fsync_directory, publish_file
-from ._stage import PrivateDir, PublishRecord, StagingArea, remove_tree
+from ._stage import PublishRecord, SaveDir, StagingRoot, remove_tree
 
 log = logging.getLogger("safestage")
 
@@ -97,8 +98,8 @@ class StagedDir:
         self.local: Optional[Path] = None
         self.records: list[PublishRecord] = []
         self.manifest: Optional[Manifest] = None
-        self._area: Optional[StagingArea] = None
-        self._private: Optional[PrivateDir] = None
+        self._staging: Optional[StagingRoot] = None
+        self._private: Optional[SaveDir] = None
         self._state = "new"
 
     def __enter__(self) -> Path:
@@ -106,8 +107,7 @@ class StagedDir:
             raise RuntimeError("this staged_dir was already used; call safestage.staged_dir() again")
         self._state = "open"
         dest = destination_directory(self._dest_argument)
-        area = StagingArea(self.settings.staging_root(), is_default=self.settings.root is None)
-        private = area.new_private_dir()
+        staging, private = _save.save_dir(self.settings)
         local = private / _local_name(dest.name)
         try:
             _mark_disposable(private)  # until the block returns: an unfinished checkpoint
@@ -115,7 +115,7 @@ class StagedDir:
         except BaseException:
             _to_completion(lambda: _discard(private, local))
             raise
-        self.dest, self.local, self._area, self._private = dest, local, area, private
+        self.dest, self.local, self._staging, self._private = dest, local, staging, private
         _patch.add_unstaged_dir(local)
         return local
 
@@ -139,9 +139,9 @@ class StagedDir:
 
     # -- the commit ---------------------------------------------------------------------------
 
-    def _commit(self, private: PrivateDir, local: Path) -> None:
-        dest, area = self.dest, self._area
-        assert dest is not None and area is not None
+    def _commit(self, private: SaveDir, local: Path) -> None:
+        dest, staging = self.dest, self._staging
+        assert dest is not None and staging is not None
         started = time.perf_counter()
         published: dict[str, Published] = {}
         manifest: Optional[Manifest] = None
@@ -174,7 +174,7 @@ class StagedDir:
             dest, len(manifest.files), manifest.total_bytes, time.perf_counter() - started,
         )  # fmt: skip
 
-    def _finish(self, private: PrivateDir, local: Path, manifest: Manifest) -> None:
+    def _finish(self, private: SaveDir, local: Path, manifest: Manifest) -> None:
         self.manifest = manifest
 
         def remove() -> None:
@@ -226,7 +226,7 @@ class StagedDir:
         self, local: Path, created: set[Path], path: str, digest: Callable[[], Digest]
     ) -> Published:
         dest = self.dest
-        assert dest is not None and self._area is not None
+        assert dest is not None and self._staging is not None
         target = dest / path
         if target.parent not in created:  # a lookup saved per file (~26 ms each on s3fs)
             _refuse_symlink(target, dest, local)
@@ -235,20 +235,20 @@ class StagedDir:
             target,
             publish=self.settings.publish,
             fsync=self.settings.fsync,
-            staging_device=self._area.device,
+            staging_device=self._staging.device,
             digest=digest,
         )
 
     def _publish_commit_file(
-        self, manifest: Manifest, private: PrivateDir, local: Path, tree: _Tree, created: set[Path]
+        self, manifest: Manifest, private: SaveDir, local: Path, tree: _Tree, created: set[Path]
     ) -> None:
         dest = self.dest
-        assert dest is not None and self._area is not None
+        assert dest is not None and self._staging is not None
         target = dest / COMMIT_NAME
         try:
             if dest not in created:
                 _refuse_symlink(target, dest, local)
-            result = publish_manifest(manifest, private, dest, self.settings, self._area.device)
+            result = publish_manifest(manifest, private, dest, self.settings, self._staging.device)
         except OSError as exc:
             landed = tuple(sorted(path for path, _ in tree.files))
             raise PublishError(
@@ -270,7 +270,7 @@ class StagedDir:
             PublishRecord(
                 destination=target,
                 bytes=result.nbytes,
-                strategy=result.strategy,
+                publish=result.strategy,
                 seconds=result.seconds,
                 serialize_seconds=0.0,
                 publish_seconds=result.seconds,
@@ -476,7 +476,7 @@ def invalidate(dest: Path, *, fsync: bool) -> bool:
 
 
 def publish_manifest(
-    manifest: Manifest, private: PrivateDir, dest: Path, settings: Settings, staging_device: int
+    manifest: Manifest, private: SaveDir, dest: Path, settings: Settings, staging_device: int
 ) -> Published:
     """Write ``manifest`` into ``private`` and publish it as ``dest``'s commit file: the last
     file of a commit, atomically (replace) where the destination can rename, direct where it
@@ -545,13 +545,13 @@ def _refuse_symlink(target: Path, dest: Path, local: Path) -> None:
 def _local_name(name: str) -> str:
     """The local directory is named like the destination, for people reading a PublishError
     (the destination "/" has no name)."""
-    # Never a name a sweep could take for safetensors' torn temp (.tmpXXXXXX), as staged_name.
+    # Never a name a sweep could take for safetensors' torn temp (.tmpXXXXXX), as local_name.
     if name in ("", DISPOSABLE_MARKER, _STAGED_COMMIT) or is_writer_temp(name):
         return f"{name}.dir"
     return name
 
 
-def _discard(private: PrivateDir, local: Path) -> None:
+def _discard(private: SaveDir, local: Path) -> None:
     """Remove the local directory, then the private one: the disposable marker goes last, so
     that an interrupted removal still leaves a directory that sweeps know to remove."""
     remove_tree(local)
@@ -574,7 +574,7 @@ def _to_completion(cleanup: Callable[[], None], attempts: int = 10) -> None:
         raise interrupt
 
 
-def _mark_disposable(private: PrivateDir) -> None:
+def _mark_disposable(private: SaveDir) -> None:
     fd = os.open(private / DISPOSABLE_MARKER, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     os.close(fd)
 

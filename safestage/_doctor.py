@@ -59,7 +59,7 @@ from ._mounts import MountInfo, mount_of
 from ._names import doctor_dir_name, parse_stage_dir
 from ._paths import real_directory
 from ._publish import NOT_SUPPORTED, write_all
-from ._stage import StagingArea, errno_of, remove_tree
+from ._stage import StagingRoot, errno_of, remove_tree
 
 SCHEMA = 1
 STEPS = (
@@ -195,12 +195,12 @@ def _check_staging(settings: Settings, source: str, path: Path) -> StagingReport
     try:
         # The same checks a save makes at activation (local, a directory, a real write probe);
         # the default root is created 0700 here exactly as the first staged save would.
-        area = StagingArea(root, is_default=settings.root is None)
+        staging = StagingRoot(root, is_default=settings.root is None)
     except StagingError as exc:
         report.error = str(exc)
         return report
     report.usable = True
-    report.same_device = area.device == os.stat(path).st_dev
+    report.same_device = staging.device == os.stat(path).st_dev
     return report
 
 
@@ -464,7 +464,7 @@ def _staged_save(
         return SaveReport(result="failed", error=str(exc), errno=_errno_of(exc), step=exc.step)
     except Exception as exc:
         return SaveReport(result="failed", error=_describe(exc), errno=_errno_of(exc))
-    strategy = stage.records[-1].strategy if stage.records else None
+    strategy = stage.records[-1].publish if stage.records else None
     return _verify(target, tensors, SaveReport(result="ok", strategy=strategy))
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from . import _config
+from . import _config, _save
 from ._commit import _version, invalidate, publish_manifest
 from ._config import UNSET, PathArg
 from ._errors import PublishError
@@ -22,7 +22,6 @@ from ._manifest import COMMIT_NAME, Crc32, FileEntry, Manifest, new_manifest, un
 from ._names import is_writer_temp, parse_temp_name
 from ._paths import real_directory
 from ._publish import CHUNK_BYTES
-from ._stage import StagingArea
 
 log = logging.getLogger("safestage")
 
@@ -88,10 +87,9 @@ def commit_in_place(
             step="verify",
         )
     manifest = new_manifest(entries, empty, _version())
-    area = StagingArea(settings.staging_root(), is_default=settings.root is None)
-    private = area.new_private_dir()
+    staging, private = _save.save_dir(settings)
     try:
-        publish_manifest(manifest, private, dest, settings, area.device)
+        publish_manifest(manifest, private, dest, settings, staging.device)
     except OSError as exc:
         raise PublishError(
             exc.errno,

@@ -81,7 +81,7 @@ def temp_name(final_name: str) -> str:
     return f".{os.fsdecode(os.fsencode(final_name)[:budget])}{suffix}"
 
 
-def stage_dir_name() -> str:
+def save_dir_name() -> str:
     """A fresh name for one save's private staging directory (made with mkdir, 0700)."""
     return _tag()
 
@@ -91,7 +91,7 @@ def doctor_dir_name() -> str:
     return f".{_tag().replace('safestage-', 'safestage-doctor-', 1)}"
 
 
-def staged_name(final_name: str) -> str:
+def local_name(final_name: str) -> str:
     """The name a save is staged under in its private directory: the final name, unless
     that looks like safetensors' own temp file (then a sweep would take the only complete
     copy for a torn write)."""

@@ -460,7 +460,7 @@ def _special_file(dest: Path) -> bool:
 def run_torch_writer(call: Callable[[], Any], staged: str) -> None:
     """Run a torch.save into the staging file ``staged``. torch's zip writer reports a failed
     write as a RuntimeError without errno; turn that into the OSError it was, so that
-    write_staged reports a StagingError (full root: ENOSPC) like for a safetensors save."""
+    write_local reports a StagingError (full root: ENOSPC) like for a safetensors save."""
     try:
         call()
     except RuntimeError as exc:

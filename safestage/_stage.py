@@ -1,7 +1,8 @@
-"""The staging root, one private directory per save, and the save itself.
+"""The staging root (StagingRoot), one save directory per save (SaveDir), and the steps of a
+save that _save plans and runs: write a local copy (LocalCopy), follow it, publish it.
 
-Each save is serialized by the *original* writer into a fresh 0700 directory under a local
-POSIX staging root, then handed to _publish. The private directory is what makes a shared,
+Each save is serialized by the *original* writer into a fresh 0700 save directory under a
+local POSIX staging root, then handed to _publish. The save directory is what makes a shared,
 world-writable root safe: nobody else can plant a file or symlink inside it.
 """
 
@@ -25,7 +26,7 @@ from ._follow import FOLLOW_MIN_BYTES, Follower, FollowMismatch, NotFollowed, Wr
 from ._interrupts import deferred
 from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
-from ._names import stage_dir_name, staged_name
+from ._names import local_name, save_dir_name
 from ._paths import real_directory
 from ._publish import (
     Published,
@@ -47,13 +48,13 @@ class PublishRecord:
 
     destination: Path
     bytes: int
-    strategy: str  # "rename" (same filesystem, no copy), "replace", "direct", or "unstaged" (when="auto")
+    publish: str  # "rename" (same filesystem, no copy), "replace", "direct", or "unstaged" (when="auto")
     seconds: float  # serialize + publish, as the caller of save_file waited
     serialize_seconds: float
     publish_seconds: float
 
 
-class PrivateDir:
+class SaveDir:
     """One save's private directory (0700) under the staging root, and the flock on it that
     tells every sweeper, in any PID namespace, that its owner is alive (``_locks``)."""
 
@@ -81,7 +82,7 @@ class PrivateDir:
         return self.path / name
 
     def __repr__(self) -> str:
-        return f"<PrivateDir {self.path} {'locked' if self._lock_fd is not None else 'released'}>"
+        return f"<SaveDir {self.path} {'locked' if self._lock_fd is not None else 'released'}>"
 
 
 def _is_host_root() -> bool:
@@ -97,19 +98,31 @@ def _is_host_root() -> bool:
     return first == ["0", "0", "4294967295"]
 
 
-class StagingArea:
-    """A checked staging root. Construct it at activation so a bad root fails early."""
+class StagingRoot:
+    """The staging root, checked (local, POSIX, writable, not planted) and swept of dead
+    processes' save directories when constructed. _save keeps one per process and root."""
 
     def __init__(self, root: Path, *, is_default: bool) -> None:
         if is_default:
             _ensure_private_default(root)
         _check_root(root)
-        self.root = real_directory(root) or root  # the kernel's path: no text games (issue 9)
+        self.path = real_directory(root) or root  # the kernel's path: no text games (issue 9)
         try:
-            self.device = os.stat(self.root).st_dev
+            info = os.stat(self.path)
         except OSError as exc:
-            raise _root_error(self.root, exc, "inspect") from exc
-        _sweep_dead(self.root)
+            raise _root_error(self.path, exc, "inspect") from exc
+        self.device = info.st_dev
+        self._identity = (info.st_dev, info.st_ino)
+        _sweep_dead(self.path)
+
+    def unchanged(self) -> bool:
+        """Whether the checked directory is still there, as itself (one stat): a root that was
+        removed or replaced since is checked again, so its errors stay the activation's."""
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self._identity and stat.S_ISDIR(info.st_mode)
 
     def check_room(self, nbytes: Optional[int], dest: Path) -> None:
         """Refuse a save of about ``nbytes`` that cannot fit in the root, before anything is
@@ -119,7 +132,7 @@ class StagingArea:
         if not nbytes:
             return
         try:
-            info = os.statvfs(self.root)
+            info = os.statvfs(self.path)
         except OSError:
             return
         if info.f_blocks == 0:  # ramfs, tmpfs size=0: no size limit, not "full" (review 5)
@@ -133,21 +146,21 @@ class StagingArea:
         raise StagingError(
             errno.ENOSPC,
             f"safestage could not stage {dest}: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: "
-            f"it needs {nbytes} bytes in the staging root {self.root}, which has {free} free. The "
+            f"it needs {nbytes} bytes in the staging root {self.path}, which has {free} free. The "
             "staging root is full: point staged(root) or SAFESTAGE_DIR at a local disk with room "
             "for the largest shard. Nothing was written; the destination was not touched.",
-            str(self.root),
+            str(self.path),
         )
 
-    def new_private_dir(self) -> PrivateDir:
+    def new_save_dir(self) -> SaveDir:
         for _ in range(100):
-            candidate = self.root / stage_dir_name()
+            candidate = self.path / save_dir_name()
             try:
                 os.mkdir(candidate, 0o700)
             except FileExistsError:
                 continue
             except OSError as exc:
-                raise _root_error(self.root, exc, "create a private staging directory in") from exc
+                raise _root_error(self.path, exc, "create a private staging directory in") from exc
             fd: Optional[int] = None
             try:
                 fd = open_directory(candidate)
@@ -166,10 +179,10 @@ class StagingArea:
                         close_quietly(fd)
                     remove_tree(candidate)
                 if isinstance(exc, OSError):
-                    raise _root_error(self.root, exc, "lock a private staging directory in") from exc
+                    raise _root_error(self.path, exc, "lock a private staging directory in") from exc
                 raise
-            return PrivateDir(candidate, fd)
-        raise StagingError(errno.EEXIST, f"safestage could not find a free staging name under {self.root}", str(self.root))
+            return SaveDir(candidate, fd)
+        raise StagingError(errno.EEXIST, f"safestage could not find a free staging name under {self.path}", str(self.path))
 
 
 def _drop_abandoned(candidate: Path, fd: Optional[int]) -> None:
@@ -278,7 +291,7 @@ def _check_root(root: Path) -> None:
         )
     # A real write probe: os.access() says yes to root even on a read-only mount. Locked
     # like every private directory, so no sweeper takes it for a dead one meanwhile.
-    probe = root / stage_dir_name()
+    probe = root / save_dir_name()
     try:
         os.mkdir(probe, 0o700)
     except OSError as exc:
@@ -326,10 +339,10 @@ def remove_tree(path: Path) -> None:
 
 
 @dataclass(frozen=True)
-class StagedFile:
-    """A complete file in its private staging directory, waiting to be published."""
+class LocalCopy:
+    """A file written locally, complete in its save directory, waiting to be published."""
 
-    private: PrivateDir
+    save_dir: SaveDir
     path: Path
     dest: Path
     started: float  # perf_counter when the save began
@@ -352,32 +365,32 @@ def _write_checked(write: Callable[[str], None], staged: Path, dest: Path) -> No
         )
 
 
-def write_staged(
-    write: Callable[[str], None], dest: Path, area: StagingArea, *, needs: Optional[int] = None
-) -> StagedFile:
+def write_local(
+    write: Callable[[str], None], dest: Path, staging: StagingRoot, *, needs: Optional[int] = None
+) -> LocalCopy:
     """Run ``write(local_path)`` into a fresh private directory; clean up if it fails.
 
-    ``needs``: the file's size if known (StagingArea.check_room). An I/O failure inside the
+    ``needs``: the file's size if known (StagingRoot.check_room). An I/O failure inside the
     staging root (full, removed) becomes a StagingError; any other error of the writer (bad
     tensors) reaches the caller unchanged.
     """
     started = time.perf_counter()
-    area.check_room(needs, dest)
-    private = area.new_private_dir()
-    staged = private / staged_name(dest.name)
+    staging.check_room(needs, dest)
+    private = staging.new_save_dir()
+    staged = private / local_name(dest.name)
     try:
         _write_checked(write, staged, dest)
     except BaseException as exc:
         private.remove()
-        translated = _staging_failure(exc, staged, area.root)
+        translated = _staging_failure(exc, staged, staging.path)
         if translated is not None:
             raise translated from exc
         raise
-    return StagedFile(private, staged, dest, started, time.perf_counter() - started)
+    return LocalCopy(private, staged, dest, started, time.perf_counter() - started)
 
 
 def follow_strategy(
-    settings: Settings, dest: Path, area: StagingArea, needs: Optional[int] = None
+    settings: Settings, dest: Path, staging: StagingRoot, needs: Optional[int] = None
 ) -> Optional[str]:
     """The strategy a followed save of ``dest`` would publish with, or None where following
     does not apply. ``replace``: its temp is ours alone (O_EXCL), so a writer failing
@@ -395,7 +408,7 @@ def follow_strategy(
             return None
     elif needs < FOLLOW_MIN_BYTES:
         return None
-    strategy = planned_strategy(settings.publish, dest, area.device)
+    strategy = planned_strategy(settings.publish, dest, staging.device)
     if strategy == "direct" and os.path.lexists(dest):
         return None  # an overwrite: never followed (_publish._direct_new_file)
     return strategy if strategy in ("replace", "direct") else None
@@ -404,19 +417,19 @@ def follow_strategy(
 def write_following(
     write: Callable[[str], None],
     dest: Path,
-    area: StagingArea,
+    staging: StagingRoot,
     settings: Settings,
     *,
     needs: Optional[int] = None,
 ) -> PublishRecord:
-    """Serialize into a private directory as write_staged does, while a thread publishes the
+    """Serialize into a private directory as write_local does, while a thread publishes the
     file behind the writer (_follow). If the followed copy cannot be proved equal to the
     staged file, or fails, the complete staged file is published again the ordinary way.
     A writer's error removes the partial copy (and the staged file) and reaches the caller."""
     started = time.perf_counter()
-    area.check_room(needs, dest)
-    private = area.new_private_dir()
-    staged = private / staged_name(dest.name)
+    staging.check_room(needs, dest)
+    private = staging.new_save_dir()
+    staged = private / local_name(dest.name)
     follower = Follower(private.path, staged)
     outcome: list[object] = []
     # Waited on instead of Thread.join(): on CPython 3.11 a join() that a KeyboardInterrupt
@@ -444,11 +457,11 @@ def write_following(
         # shutdown on 3.12+): the save needs none, so it is staged, then published (review 6).
         log.debug("%s: cannot follow the writer (%s); staging, then publishing", dest, exc)
         private.remove()
-        return publish_staged(write_staged(write, dest, area), settings, area)  # room checked
-    item: Optional[StagedFile] = None
+        return publish_local(write_local(write, dest, staging), settings, staging)  # room checked
+    item: Optional[LocalCopy] = None
     try:
         _write_checked(write, staged, dest)
-        item = StagedFile(private, staged, dest, started, time.perf_counter() - started)
+        item = LocalCopy(private, staged, dest, started, time.perf_counter() - started)
         follower.finish()
         follower.check_final()  # the read-back CRC, while the publisher copies the tail
         finished.wait()
@@ -461,14 +474,14 @@ def write_following(
         if item is None:  # the writer failed, or was interrupted: nothing to keep
             with deferred():
                 private.remove()
-            translated = _staging_failure(exc, staged, area.root)
+            translated = _staging_failure(exc, staged, staging.path)
             if translated is not None:
                 raise translated from exc
             raise
         if outcome and isinstance(outcome[0], Published):
             # Interrupted after the copy had committed: the save is published; nothing kept.
             with deferred():
-                item.private.remove()
+                item.save_dir.remove()
             raise
         keep_unpublished(item, exc)  # Ctrl-C mid-copy: the complete file stays, named
         raise
@@ -480,34 +493,34 @@ def write_following(
         raise _naming_the_kept_copy(result, item)
     if isinstance(result, NotFollowed):  # an overwrite by direct: published after the writer
         log.debug("%s: not followed (%s); publishing the complete staged file", dest, result)
-        return publish_staged(item, settings, area, copy=True)
+        return publish_local(item, settings, staging, copy=True)
     if not isinstance(result, Published):
         log.warning(
             "%s: the copy made while serializing could not be used (%s: %s); publishing the "
             "complete staged file", dest, type(result).__name__, result,
         )  # fmt: skip
-        return publish_staged(item, settings, area, copy=True)
-    item.private.remove()
+        return publish_local(item, settings, staging, copy=True)
+    item.save_dir.remove()
     if settings.fsync and result.strategy == "replace":
         fsync_directory(dest.parent)
     done = time.perf_counter()
     record = PublishRecord(
         destination=dest,
         bytes=result.nbytes,
-        strategy=result.strategy,
+        publish=result.strategy,
         seconds=done - started,
         serialize_seconds=item.serialize_seconds,
         publish_seconds=done - started - item.serialize_seconds,
     )
     log.debug(
         "%s: %d bytes, serialize %.3fs, %s followed (%d bytes while writing), %.3fs more",
-        dest, record.bytes, record.serialize_seconds, record.strategy,
+        dest, record.bytes, record.serialize_seconds, record.publish,
         follower.bytes_while_writing, record.publish_seconds,
     )  # fmt: skip
     return record
 
 
-def _naming_the_kept_copy(error: PublishError, item: StagedFile) -> PublishError:
+def _naming_the_kept_copy(error: PublishError, item: LocalCopy) -> PublishError:
     """A followed publish that failed while the writer was still writing built its error
     before the staged file existed under its name ("No staged copy could be kept."); the
     writer has since returned and the complete copy is kept: the error must say where
@@ -531,8 +544,8 @@ def _destination_failed(error: PublishError) -> bool:
     return getattr(error, "step", None) != "read" and not isinstance(cause, (FollowMismatch, WriterFailed))
 
 
-def publish_staged(
-    item: StagedFile, settings: Settings, area: StagingArea, *, copy: bool = False
+def publish_local(
+    item: LocalCopy, settings: Settings, staging: StagingRoot, *, copy: bool = False
 ) -> PublishRecord:
     """Publish a staged file and remove its private directory; return the record.
     ``copy``: never move the staged file itself (rename), copy its bytes.
@@ -549,45 +562,45 @@ def publish_staged(
             item.dest,
             publish=settings.publish,
             fsync=settings.fsync,
-            staging_device=None if copy else area.device,
+            staging_device=None if copy else staging.device,
             sync_directory=False,
         )
     except BaseException as exc:
         if not item.path.exists():
-            item.private.remove()
+            item.save_dir.remove()
             if isinstance(exc, OSError) and not isinstance(exc, StagingError):
-                raise _staged_copy_vanished(item, area.root) from exc
+                raise _staged_copy_vanished(item, staging.path) from exc
             raise
         keep_unpublished(item, exc)
         raise
-    item.private.remove()  # published: from here on there is nothing to keep
+    item.save_dir.remove()  # published: from here on there is nothing to keep
     if settings.fsync and published.strategy in ("rename", "replace"):
         fsync_directory(item.dest.parent)  # makes the rename durable
     done = time.perf_counter()
     record = PublishRecord(
         destination=item.dest,
         bytes=published.nbytes,
-        strategy=published.strategy,
+        publish=published.strategy,
         seconds=done - item.started,
         serialize_seconds=item.serialize_seconds,
         publish_seconds=done - publish_started,
     )
     log.debug(
         "%s: %d bytes, serialize %.3fs, %s %.3fs",
-        item.dest, record.bytes, record.serialize_seconds, record.strategy, record.publish_seconds,
+        item.dest, record.bytes, record.serialize_seconds, record.publish, record.publish_seconds,
     )
     return record
 
 
-def keep_unpublished(item: StagedFile, exc: BaseException) -> None:
+def keep_unpublished(item: LocalCopy, exc: BaseException) -> None:
     """The publish of ``item`` did not happen: its complete copy stays where it is (never
     swept, see _clean); an error says where itself, an interrupt gets a note that does."""
-    item.private.release()
+    item.save_dir.release()
     if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
         _note_kept_copy(exc, item)
 
 
-def _note_kept_copy(exc: BaseException, item: StagedFile) -> None:
+def _note_kept_copy(exc: BaseException, item: LocalCopy) -> None:
     text = (
         f"safestage: interrupted while publishing {item.dest}; the complete staged copy is "
         f"kept at {item.path}"
@@ -597,7 +610,7 @@ def _note_kept_copy(exc: BaseException, item: StagedFile) -> None:
         exc.add_note(text)
 
 
-def _staged_copy_vanished(item: StagedFile, root: Path) -> StagingError:
+def _staged_copy_vanished(item: LocalCopy, root: Path) -> StagingError:
     return StagingError(
         errno.ENOENT,
         f"safestage: the staged copy {item.path} vanished before it was published to "

@@ -1,4 +1,4 @@
-"""Reading checkpoints back: ``verify``, ``is_complete``, ``latest_complete``.
+"""Reading checkpoints back: ``verify`` (``verify(p).complete``), ``latest_complete``.
 
 A checkpoint directory is complete when its commit file (``_manifest``) parses and every
 file it lists is a regular file of the listed size; ``deep`` also reads every file for its
@@ -115,12 +115,6 @@ def verify(
             problem = Problem("", "not-a-directory", f"{directory} {what}")
         return VerifyResult(directory, deep, problems=[problem])
     return check(directory, manifest, deep=deep, progress=progress)
-
-
-def is_complete(path: PathArg) -> bool:
-    """Whether ``path`` is a checkpoint directory whose commit file lists files that are all
-    there with their sizes (``verify(path).complete``)."""
-    return verify(path).complete
 
 
 def latest_complete(

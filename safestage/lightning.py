@@ -21,24 +21,20 @@ publisher (rename / replace / direct, checked close, kept copy on failure).
 What it holds is glue only: which paths are staged (local ones; ``s3://`` and other fsspec
 URLs go to the wrapped plugin untouched), the parent directory Lightning expects to be made,
 and delegation of loading and removing. The staging and publishing are the core's
-(``safestage._api.save_one``). Lightning is imported when this module is.
+(``safestage._save.run``, the pipeline of every save). Lightning is imported when this module is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
-from typing import TYPE_CHECKING, Any, Optional
+from pathlib import Path
+from typing import Any, Optional
 
-from . import _background, _config, _patch
-from ._api import save_one, save_one_background
+from . import _background, _config, _patch, _save
 from ._config import UNSET, PathArg
 from ._paths import resolve_destination
-from ._stage import PublishRecord, check_root
-
-if TYPE_CHECKING:
-    from concurrent.futures import Future
+from ._stage import PublishRecord
 
 try:  # the unified package first: ``import lightning as L``
     from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -64,11 +60,12 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
     file itself.
 
     ``background=True``: ``save_checkpoint`` returns once the checkpoint is complete in the
-    staging root and publishes it on safestage's worker threads (at most ``max_pending`` at
-    once). Removing a checkpoint waits for its publish, so ModelCheckpoint's top-k removal
-    stays in order. A failed publish is raised by the next ``save_checkpoint``, by
-    ``wait()`` or by ``teardown()`` (the Trainer calls it when fit ends; with Fabric call
-    ``wait()``).
+    staging root and publishes it on safestage's background publisher (at most
+    ``max_pending`` at once). Removing a checkpoint waits for its publish, so
+    ModelCheckpoint's top-k removal stays in order. A failed publish is raised by the next
+    ``save_checkpoint``, by ``teardown()`` (the Trainer calls it when fit ends) or by
+    ``safestage.wait()`` (with Fabric, which has no teardown). A forked child's saves publish
+    before they return.
 
     ``records`` lists every published checkpoint (``safestage.PublishRecord``). A failed
     publish raises ``safestage.PublishError`` (an OSError) naming the checkpoint and keeping
@@ -90,32 +87,15 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self.settings = _config.resolve(
             root=root, publish=publish, fsync=fsync, background=background, max_pending=max_pending
         )
-        check_root(self.settings.staging_root(), is_default=self.settings.root is None)
+        _save.staging_root(self.settings, opening=True)  # a bad root fails here; checked once per process
         self.checkpoint_io: CheckpointIO = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
         self.records: list[PublishRecord] = []
-        self._init_state()
-
-    def _init_state(self, *, forked: bool = False) -> None:
-        # A forked child has none of the parent's threads: its saves publish before they
-        # return (it may end with os._exit), and it never waits for the parent's publishes.
-        self._pid = os.getpid()
-        self._forked = forked
-        self._lock = threading.Condition()
-        self._saving: dict[str, int] = {}  # checkpoint paths being saved now, by any thread
-        self._deferred: set[str] = set()  # removals asked for while their save was running
-        self._publishing: dict[str, Future[PublishRecord]] = {}  # background: latest per path
-        self._futures: list[Future[PublishRecord]] = []  # background: every one not waited for
-
-    def _this_process(self) -> None:
-        if self._pid != os.getpid():
-            self._init_state(forked=True)
-            self.records = list(self.records)
+        _background.adopt(self)  # its saves may publish in the background in this process
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None
     ) -> None:
-        self._this_process()
-        self._raise_failed_publish()
+        _background.wait(self, finished_only=True)  # a failed background publish, raised here
         local = _local_path(path)
         if local is None:  # s3://, gs://, ...: the wrapped plugin's business
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
@@ -138,40 +118,17 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 else:
                     self.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options=storage_options)
 
-        key = _key(local)
-        with self._lock:
-            self._saving[key] = self._saving.get(key, 0) + 1
-        try:
-            if self.settings.background and not self._forked:
-                future = save_one_background(write, local, self.settings)
-                future.add_done_callback(self._record_future)
-                with self._lock:
-                    self._publishing[key] = future
-                    self._futures.append(future)
-            else:
-                self._record(save_one(write, local, self.settings))
-        finally:
-            with self._lock:
-                self._saving[key] -= 1
-                remove = not self._saving[key] and key in self._deferred
-                if not self._saving[key]:
-                    del self._saving[key]
-                    self._deferred.discard(key)
-            if remove:
-                self.remove_checkpoint(path)
+        _save.run(write, _save.destination(local), self.settings, owner=self, record=self._record)
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's own load, after this path's pending background publish: a load right
         after a save must read that save, never the file it replaces (a failed publish is
         raised here instead)."""
-        self._this_process()
         path = args[0] if args else kwargs.get("path")
         local = _local_path(path) if path is not None else None
         if local is not None:
-            with self._lock:
-                future = self._publishing.get(_key(local))
-            if future is not None and future.exception() is not None:  # waits
-                self.wait()  # raises the PublishError
+            _background.settle(_key(local))
+            _background.wait(self, finished_only=True)  # raises the PublishError
         result: dict[str, Any] = self.checkpoint_io.load_checkpoint(*args, **kwargs)
         return result
 
@@ -179,58 +136,27 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         """Remove a checkpoint, after its pending background publish. One whose save is still
         running in another thread (AsyncCheckpointIO's: ModelCheckpoint asks to remove the
         previous top-k file right after submitting the next save) is removed by that thread
-        once it is published."""
-        self._this_process()
+        once it is published. A failed publish is raised by teardown or the next save."""
         local = _local_path(path)
-        if local is not None:
-            key = _key(local)
-            with self._lock:
-                if self._saving.get(key):
-                    self._deferred.add(key)
-                    return
-                future = self._publishing.get(key)
-            if future is not None:
-                future.exception()  # waits; a failure is raised by wait() / the next save
-        self.checkpoint_io.remove_checkpoint(path)
-
-    def wait(self) -> None:
-        """Wait for this plugin's background publishes; raise the first error."""
-        self._this_process()
-        with self._lock:
-            futures, self._futures = self._futures, []
-            self._publishing = {k: f for k, f in self._publishing.items() if not f.done()}
-        if futures:
-            _background.publisher().wait(futures)  # type: ignore[arg-type]
+        if local is None:
+            self.checkpoint_io.remove_checkpoint(path)
+            return
+        _save.when_saved(_key(local), lambda: self.checkpoint_io.remove_checkpoint(path))
 
     def teardown(self) -> None:
+        """Wait for this plugin's background publishes, raising the first error (the Trainer
+        calls it when fit ends; with Fabric, call ``safestage.wait()``)."""
         try:
-            self.wait()
+            _background.wait(self)
         finally:
             self.checkpoint_io.teardown()
 
-    def _raise_failed_publish(self) -> None:
-        with self._lock:
-            failed = [f for f in self._futures if f.done() and f.exception() is not None]
-        if failed:
-            self.wait()
-
     def _record(self, record: PublishRecord) -> None:
-        with self._lock:
-            self.records.append(record)
+        self.records.append(record)  # list.append is atomic: publish workers call it too
 
-    def _record_future(self, future: Future[PublishRecord]) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self._record(future.result())
-
-    def __getstate__(self) -> dict[str, Any]:  # picklable: Lightning's spawn strategies pickle plugins
-        state = self.__dict__.copy()
-        for name in ("_pid", "_forked", "_lock", "_saving", "_deferred", "_publishing", "_futures"):
-            del state[name]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:  # Lightning's spawn strategies pickle plugins
         self.__dict__.update(state)
-        self._init_state()
+        _background.adopt(self)
 
     def __repr__(self) -> str:
         return (
@@ -247,11 +173,11 @@ def _torch_save(checkpoint: dict[str, Any], stream: Any) -> None:
     torch.save(checkpoint, stream)
 
 
-def _key(local: str) -> str:
+def _key(local: str) -> Path:
     """The kernel's path of a checkpoint, so that every spelling of it (a symlinked
-    directory, ``..``) finds the same pending publish, as the publisher keys them."""
+    directory, ``..``) finds the same pending save and publish, as the pipeline keys them."""
     resolved = resolve_destination(local)
-    return str(resolved) if resolved is not None else os.path.abspath(local)
+    return resolved if resolved is not None else Path(os.path.abspath(local))
 
 
 def _local_path(path: Any) -> Optional[str]:

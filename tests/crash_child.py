@@ -80,7 +80,7 @@ def _saver(request: dict[str, object], server_pid: int) -> None:
                 "seconds": seconds,
                 "serialize": record.serialize_seconds,
                 "publish": record.publish_seconds,
-                "strategy": record.strategy,
+                "strategy": record.publish,
             }
         )
         code = 0

@@ -1,5 +1,5 @@
 """Whole checkpoints (issue 11): staged_dir commits a directory with a commit file written
-last; verify, is_complete and latest_complete read it back.
+last; verify and latest_complete read it back.
 
 Every test writes real files onto real destinations (disk, /dev/shm across devices, the
 hostile FUSE kit, real rclone and s3fs mounts) and checks what a user would: the bytes at
@@ -88,7 +88,7 @@ def assert_committed(dest: Path, expected: dict[str, bytes]) -> dict[str, Any]:
     result = safestage.verify(dest, deep=True)
     assert result.complete and result.problems == [] and result.extra == [], result
     assert result.bytes_read == sum(len(data) for data in expected.values())
-    assert safestage.is_complete(dest)
+    assert safestage.verify(dest).complete
     return document
 
 
@@ -109,7 +109,7 @@ def test_round_trip_on_disk_same_filesystem_renames(tmp_path: Path, stage_root: 
         expected = write_checkpoint(local, 7)
     document = assert_committed(dest, expected)
     assert document["directories"] == ["empty"] and (dest / "empty").is_dir()
-    assert {record.strategy for record in commit.records} == {"rename"}
+    assert {record.publish for record in commit.records} == {"rename"}
     assert commit.records[-1].destination == dest / COMMIT_NAME  # the commit file last
     assert commit.manifest is not None and len(commit.manifest.files) == len(expected)
     assert leftovers(stage_root) == []
@@ -136,7 +136,7 @@ def test_round_trip_on_the_kit(kit_dir: Path, strategy: str, stage_root: Path) -
     with commit as local:
         expected = write_checkpoint(local, 3)
     assert_committed(dest, expected)
-    assert {record.strategy for record in commit.records} == {strategy}
+    assert {record.publish for record in commit.records} == {strategy}
     assert leftovers(stage_root) == []
 
 
@@ -167,7 +167,7 @@ def test_a_name_the_destination_cannot_store_fails_loudly(real_dir: Path, stage_
     assert error.not_landed == ("notes\nwith newline.txt",) and error.landed == ("config.json",), error
     assert error.errno in (errno.EIO, errno.ENOENT)
     assert sorted(os.listdir(dest)) == ["config.json"]  # no commit file, no temp file
-    assert not safestage.is_complete(dest)
+    assert not safestage.verify(dest).complete
     shutil.rmtree(Path(error.staged_path).parent)  # type: ignore[arg-type]
 
 
@@ -216,7 +216,7 @@ def test_empty_directories_are_recreated_but_not_required(tmp_path: Path, stage_
     manifest = json.loads((dest / COMMIT_NAME).read_text())
     assert manifest["directories"] == ["a/b"]
     shutil.rmtree(dest / "a")  # an object store keeps no empty directory
-    assert safestage.is_complete(dest)
+    assert safestage.verify(dest).complete
 
 
 # -- safetensors saves inside the block: never staged twice ----------------------------------------
@@ -443,7 +443,7 @@ def test_the_commit_file_itself_does_not_fit(small_tmpfs: Path, shm_root: Path) 
     assert error.value.landed == ("a.bin", "b.bin") and error.value.not_landed == ()
     assert "all 2 files landed" in str(error.value)
     assert sorted(os.listdir(dest)) == ["a.bin", "b.bin"]  # no commit file, no temp
-    assert not safestage.is_complete(dest)
+    assert not safestage.verify(dest).complete
     shutil.rmtree(Path(error.value.staged_path).parent)  # type: ignore[arg-type]
 
 
@@ -496,7 +496,7 @@ def test_verify_finds_missing_and_resized_files(committed: tuple[Path, dict[str,
     with open(dest / "config.json", "a") as handle:
         handle.write(" ")
     assert kinds(dest) == [("config.json", "size"), ("state/optimizer.pt", "missing")]
-    assert not safestage.is_complete(dest)
+    assert not safestage.verify(dest).complete
 
 
 def test_deep_verify_finds_same_size_other_content(committed: tuple[Path, dict[str, bytes]]) -> None:
@@ -899,6 +899,6 @@ def test_concurrent_commits_to_one_destination_are_caught_by_deep_verify(tmp_pat
         tag = next(t for t, p in procs.items() if p.pid == writer)
         tags = {(dest / f"shard-{i}.bin").read_bytes()[:1].decode() for i in range(6)}
         mixed += tags != {tag}
-        assert safestage.is_complete(dest)  # sizes always match
+        assert safestage.verify(dest).complete  # sizes always match
         assert safestage.verify(dest, deep=True).complete == (tags == {tag}), (tag, tags)
     print(f"{mixed} of 8 concurrent rounds ended with a mix that deep verify caught")

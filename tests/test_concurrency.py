@@ -196,7 +196,7 @@ def test_eight_threads_save_distinct_files_into_one_directory(
             f"{final} is not its writer's"
         )
     assert sorted(r.destination.name for r in stage.records) == sorted(finals)
-    assert {r.strategy for r in stage.records} == {"rename" if kind == "disk-rename" else "replace"}
+    assert {r.publish for r in stage.records} == {"rename" if kind == "disk-rename" else "replace"}
     assert all(r.bytes == os.stat(r.destination).st_size for r in stage.records)
     assert os.listdir(root) == [], "staging root must be empty"
 
@@ -349,7 +349,7 @@ def _process_saver(rank: int, root: str, directory: str) -> list[str]:
             )
         for round_ in range(2):
             save(version(1000 + 10 * rank + round_), os.path.join(directory, "common.safetensors"))
-    return [f"{r.destination.name}:{r.strategy}" for r in stage.records]
+    return [f"{r.destination.name}:{r.publish}" for r in stage.records]
 
 
 def test_four_processes_share_one_staging_root_and_one_directory(tmp_path, shm_root):
@@ -402,7 +402,7 @@ RANK_SCRIPT = textwrap.dedent(
         json.dump({                                                            # stdout interleaves
             "rank": rank,
             "active": safestage.is_active(),
-            "records": [[r.destination.name, r.strategy] for r in stage.records] if stage else None,
+            "records": [[r.destination.name, r.publish] for r in stage.records] if stage else None,
         }, report)
     dist.destroy_process_group()
     """

@@ -74,7 +74,7 @@ def _roundtrip(directory: Path, root: Path, tensors: dict[str, torch.Tensor]) ->
     assert listing(root) == [], "staging root must be empty after the saves"
     assert [r.destination for r in stage.records] == [dest, dest, directory / "tiny.safetensors"]
     assert all(r.bytes == os.stat(r.destination).st_size for r in stage.records[1:])
-    return [r.strategy for r in stage.records]
+    return [r.publish for r in stage.records]
 
 
 def test_plain_disk_same_filesystem_publishes_by_rename(tmp_path, stage_root, tensors):
@@ -404,7 +404,7 @@ def test_auto_downgrade_warns_once_per_device(kit_mounts, stage_root, tensors, c
             save_file(tensors, str(directory / f"s{index}.safetensors"))
     warnings = [r for r in caplog.records if "cannot rename" in r.getMessage()]
     assert len(warnings) == 1
-    assert [r.strategy for r in stage.records] == ["direct"] * 3
+    assert [r.publish for r in stage.records] == ["direct"] * 3
     assert listing(directory) == ["s0.safetensors", "s1.safetensors", "s2.safetensors"]
 
 

@@ -110,13 +110,13 @@ def test_a_save_that_cannot_fit_is_refused_before_anything_is_written(small_tmpf
     from safestage import _stage
 
     made: list[Path] = []
-    real_new = _stage.StagingArea.new_private_dir
+    real_new = _stage.StagingRoot.new_save_dir
 
-    def spy(self: _stage.StagingArea) -> Any:
+    def spy(self: _stage.StagingRoot) -> Any:
         made.append(self.root)
         return real_new(self)
 
-    monkeypatch.setattr(_stage.StagingArea, "new_private_dir", spy)
+    monkeypatch.setattr(_stage.StagingRoot, "new_save_dir", spy)
     dest = tmp_path / "model.safetensors"
     with pytest.raises(StagingError) as info, safestage.staged(small_tmpfs):
         save_file(BIG, str(dest))
@@ -450,7 +450,7 @@ def test_staging_root_deleted_between_two_saves(tmp_path, background):
     old = Snapshot(second)
     with safestage.staged(root, background=background) as stage:
         save_file(BIG, str(first))
-        stage.wait()  # background: the first publish finished before the root vanishes
+        safestage.wait()  # background: the first publish finished before the root vanishes
         shutil.rmtree(root)  # a tmp cleaner, or a colleague's rm -rf
         with pytest.raises(StagingError) as info:
             save_file(BIG, str(second))

@@ -190,7 +190,7 @@ def test_staged_follow_publishes_the_exact_bytes(tmp_path, shm_root, caplog):
     with safestage.staged(shm_root, follow=True) as stage:
         save_with(stage, slow_writer(), dest)
     assert dest.read_bytes() == expected_bytes()
-    assert [r.strategy for r in stage.records] == ["replace"]
+    assert [r.publish for r in stage.records] == ["replace"]
     assert os.listdir(tmp_path) == ["model.safetensors"]
     assert os.listdir(shm_root) == []
     followed = [r.getMessage() for r in caplog.records if "followed" in r.getMessage()]
@@ -264,7 +264,7 @@ def test_follow_is_not_used_for_rename_or_background(tmp_path, stage_root, shm_r
         save_with(stage, slow_writer(delay=0), tmp_path / "a.safetensors")
     with safestage.staged(shm_root, follow=True, background=True) as stage2:
         save_with(stage2, slow_writer(delay=0), tmp_path / "b.safetensors")
-    assert [r.strategy for r in stage.records + stage2.records] == ["rename", "replace"]
+    assert [r.publish for r in stage.records + stage2.records] == ["rename", "replace"]
     assert not any(
         "following fd" in r.getMessage() or "followed (" in r.getMessage() for r in caplog.records
     )
@@ -307,7 +307,7 @@ def test_by_default_a_big_safetensors_save_is_followed_and_a_small_one_is_not(tm
     with safestage.staged(shm_root, follow=False):
         save_file(big, str(tmp_path / "off.safetensors"))
     assert len(followed()) == 1
-    assert [r.strategy for r in stage.records] == ["replace"] * 3
+    assert [r.publish for r in stage.records] == ["replace"] * 3
     loaded = load_file(str(tmp_path / "big.safetensors"))
     assert all(torch.equal(loaded[k], v) for k, v in big.items())
     assert sorted(os.listdir(tmp_path)) == ["big.pt", "big.safetensors", "off.safetensors", "small.safetensors"]
@@ -327,14 +327,14 @@ def test_real_safetensors_saves_followed_onto_the_kit(kit_dir, shm_root, caplog)
     assert os.listdir(kit_dir) == ["model.safetensors"]
     assert os.listdir(shm_root) == []
     followed = [r for r in caplog.records if "followed (" in r.getMessage()]
-    expected = 2 if stage.records[0].strategy == "replace" else 1
+    expected = 2 if stage.records[0].publish == "replace" else 1
     assert len(followed) == expected, [r.getMessage() for r in followed]
-    assert [r.strategy for r in stage.records] == [stage.records[0].strategy] * 2
-    assert stage.records[0].strategy == ("direct" if "mountpoint" in str(kit_dir) else "replace")
+    assert [r.publish for r in stage.records] == [stage.records[0].publish] * 2
+    assert stage.records[0].publish == ("direct" if "mountpoint" in str(kit_dir) else "replace")
 
 
 def test_follow_strategy_decisions(tmp_path, shm_root):
-    area = _stage.StagingArea(shm_root, is_default=False)
+    area = _stage.StagingRoot(shm_root, is_default=False)
     on = safestage.staged(shm_root, follow=True).settings
     off = safestage.staged(shm_root, follow=False).settings
     new = tmp_path / "new.safetensors"
@@ -367,12 +367,12 @@ def test_a_save_known_to_be_small_is_not_followed(tmp_path, shm_root, caplog):
     edge_followed = [r for r in caplog.records if "followed (" in r.getMessage()]
     assert small_followed == [] and len(edge_followed) == 1, [r.getMessage() for r in edge_followed]
     assert "edge.safetensors" in edge_followed[0].getMessage()
-    assert [r.strategy for r in stage.records] == ["replace", "replace"]
+    assert [r.publish for r in stage.records] == ["replace", "replace"]
     assert torch.equal(load_file(str(tmp_path / "small.safetensors"))["w"], small["w"])
     assert all(torch.equal(v, edge[k]) for k, v in load_file(str(tmp_path / "edge.safetensors")).items())
     assert sorted(os.listdir(tmp_path)) == ["edge.safetensors", "small.safetensors"]
     settings = safestage.staged(shm_root, follow=True).settings
-    area = _stage.StagingArea(shm_root, is_default=False)
+    area = _stage.StagingRoot(shm_root, is_default=False)
     new = tmp_path / "new.safetensors"
     assert _stage.follow_strategy(settings, new, area, _follow.FOLLOW_MIN_BYTES - 1) is None
     assert _stage.follow_strategy(settings, new, area, None) == "replace"  # size unknown: follow
@@ -401,7 +401,7 @@ def test_a_failed_follow_copy_falls_back_to_a_plain_publish(tmp_path, shm_root, 
         save_with(stage, slow_writer(), dest)
     assert fired, "the fault did not fire"
     assert dest.read_bytes() == expected_bytes()
-    assert [r.strategy for r in stage.records] == ["replace"]
+    assert [r.publish for r in stage.records] == ["replace"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("injected read error" in w for w in warnings), warnings
     assert os.listdir(tmp_path) == ["model.safetensors"]
@@ -434,7 +434,7 @@ def test_followed_direct_save_of_a_new_file_publishes_the_exact_bytes(direct_dir
     with safestage.staged(shm_root, follow=True, publish=publish) as stage:
         save_with(stage, slow_writer(), dest)
     assert dest.read_bytes() == expected_bytes()
-    assert [r.strategy for r in stage.records] == ["direct"]
+    assert [r.publish for r in stage.records] == ["direct"]
     assert os.listdir(directory) == ["model.safetensors"]
     assert os.listdir(shm_root) == []
     followed = [r.getMessage() for r in caplog.records if "direct followed" in r.getMessage()]
@@ -511,7 +511,7 @@ def test_a_name_that_appears_before_the_followed_open_is_published_after_the_wri
         d.write_bytes(b"another save")
         return strategy
 
-    monkeypatch.setattr(safestage._api, "follow_strategy", decide_then_another_save_lands)
+    monkeypatch.setattr(safestage._save, "follow_strategy", decide_then_another_save_lands)
     caplog.set_level(logging.DEBUG, logger="safestage")
     with safestage.staged(shm_root, follow=True, publish="direct") as stage:
         if writer_fails:
@@ -522,6 +522,6 @@ def test_a_name_that_appears_before_the_followed_open_is_published_after_the_wri
     assert dest.read_bytes() == (b"another save" if writer_fails else expected_bytes())
     assert any("not followed" in r.getMessage() for r in caplog.records) or writer_fails
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
-    assert [r.strategy for r in stage.records] == ([] if writer_fails else ["direct"])
+    assert [r.publish for r in stage.records] == ([] if writer_fails else ["direct"])
     assert os.listdir(directory) == ["model.safetensors"]
     assert os.listdir(shm_root) == []

@@ -139,7 +139,7 @@ def test_a_torn_writer_temp_of_a_dead_owner_is_still_swept(stage_root):
     code = f"""
         import os, safestage
         stage = safestage.activate({str(stage_root)!r})
-        private = stage._area.new_private_dir()
+        private = safestage._save.staging_root(stage.settings).new_save_dir()
         (private / ".tmpQ1w2E3").write_bytes(b"torn")
         print(private.path, flush=True)
         os._exit(0)
@@ -179,7 +179,7 @@ def test_a_child_forked_mid_publish_neither_hangs_nor_waits_for_the_parent(mount
     stage = safestage.activate(stage_root, background=True, max_pending=max_pending)
     try:
         save_file(tensors(1, numel=16 << 20), str(directory / "parent.safetensors"))
-        assert stage._futures, "the parent's publish should still be pending"
+        assert safestage._background.running(stage), "the parent's publish should still be pending"
         pid = os.fork()
         if pid == 0:  # the child: its own save must land, its close must not wait for ours
             code = 1
@@ -341,7 +341,7 @@ SLOW_SAVE = """
     dest, root, publish = sys.argv[1], sys.argv[2], sys.argv[3]
     with safestage.staged(root, publish=publish) as stage:
         save_file({"w": torch.arange(96 << 20, dtype=torch.float32)}, dest)   # 384 MiB
-    print("saved", stage.records[-1].strategy, flush=True)
+    print("saved", stage.records[-1].publish, flush=True)
 """
 
 
@@ -390,7 +390,7 @@ def test_a_live_temp_survives_clean_from_another_pid_namespace(mount_dir, shm_ro
 def test_a_live_staging_directory_survives_a_sweep_from_another_pid_namespace(stage_root, sweeper):
     stage = safestage.activate(stage_root)
     try:
-        private = stage._area.new_private_dir()  # what a save holds while serializing
+        private = safestage._save.staging_root(stage.settings).new_save_dir()  # what a save holds while serializing
         (private / ".tmpAaBbCc").write_bytes(b"safetensors is writing this")
         if sweeper == "activation":
             code = f"import safestage; safestage.activate({str(stage_root)!r}).close()"
@@ -521,7 +521,7 @@ STICKY = """
         except OSError as exc:
             first = exc.errno
         save_file({"w": torch.ones(8)}, mine)
-    print(json.dumps({"first": first, "strategies": [r.strategy for r in stage.records]}))
+    print(json.dumps({"first": first, "strategies": [r.publish for r in stage.records]}))
 """
 
 

@@ -398,7 +398,7 @@ def test_pathlike_destination_and_root(tmp_path, shm_root, tensors, wrap):
         save_file(tensors, wrap(str(dest)))
     assert loads_equal(dest, tensors)
     assert [r.destination for r in stage.records] == [dest]
-    assert stage.records[0].strategy == "replace"
+    assert stage.records[0].publish == "replace"
 
 
 @pytest.mark.parametrize(

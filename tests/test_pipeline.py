@@ -100,7 +100,7 @@ def test_when_auto_writes_local_disk_directly_and_fixes_the_mode(tmp_path, shm_r
     with safestage.staged(shm_root, when="auto") as stage:
         save_file(shard(0), str(tmp_path / "local.safetensors"))
         save_file(shard(0), str(hdfs / "remote.safetensors"))
-    assert [r.strategy for r in stage.records] == ["unstaged", "replace"]
+    assert [r.publish for r in stage.records] == ["unstaged", "replace"]
     assert stat.S_IMODE(os.stat(tmp_path / "local.safetensors").st_mode) == 0o644  # not 0600 (#782)
     assert torch.equal(load_file(str(tmp_path / "local.safetensors"))["w"], shard(0)["w"])
     assert torch.equal(load_file(str(hdfs / "remote.safetensors"))["w"], shard(0)["w"])

@@ -65,7 +65,7 @@ def test_hostile_fixtures_fail_plain_and_pass_staged(suite):
 
             def test_staged_mountpoint(safestage_stage, safestage_mountpoint_dir):
                 save_and_check(safestage_mountpoint_dir)
-                assert safestage_stage.records[0].strategy == "direct"
+                assert safestage_stage.records[0].publish == "direct"
 
             def test_unknown_mode(safestage_hostile_dir):
                 with pytest.raises(ValueError, match="unknown hostile mode"):

@@ -584,7 +584,7 @@ def test_replace_onto_rclone_does_not_stall(real_mounts: dict[str, RealMount], s
     with safestage.staged(stage_root) as stage:
         save_file({"w": torch.zeros(1024)}, str(directory / "model.safetensors"))
     (record,) = stage.records
-    assert record.strategy == "replace"
+    assert record.publish == "replace"
     assert record.publish_seconds < 2.0, f"4 KiB published in {record.publish_seconds:.1f} s"
 
 
@@ -622,7 +622,7 @@ def test_replace_onto_s3fs_uploads_the_temp_once(real_mounts: dict[str, RealMoun
     directory.mkdir()
     with safestage.staged(stage_root) as stage:
         save_file({"w": torch.zeros(1 << 18)}, str(directory / "model.safetensors"))  # 1 MiB
-    assert stage.records[0].strategy == "replace"
+    assert stage.records[0].publish == "replace"
     temp_puts = re.findall(rf'"PUT /{m.bucket}/{directory.name}/\.model\.safetensors\.safestage-\S+ ', m.s3_log())
     assert len(temp_puts) == 1, temp_puts
 
@@ -815,7 +815,7 @@ def test_staged_saves_leave_no_probe_file_on_rclone_s3(stage_root: Path) -> None
             directory.mkdir()
             with safestage.staged(stage_root) as stage:
                 save_file(tensors, str(directory / "model.safetensors"))
-            assert stage.records[-1].strategy == "replace"
+            assert stage.records[-1].publish == "replace"
             assert torch.equal(load_file(str(directory / "model.safetensors"))["w"], tensors["w"])
             time.sleep(0.05)
         time.sleep(1.0)

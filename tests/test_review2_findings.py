@@ -154,7 +154,7 @@ def test_a_full_staging_root_when_the_commit_file_is_written_names_the_checkpoin
     assert error.filename and str(dest) in str(error.filename), error.filename
     assert error.staged_path is not None and Path(error.staged_path).is_dir()
     assert error.landed == ("fill.bin",)
-    assert not safestage.is_complete(dest)
+    assert not safestage.verify(dest).complete
 
 
 # -- 5. Lightning: load right after a background save loads the previous checkpoint ------------
@@ -173,10 +173,10 @@ def test_lightning_background_save_then_load_loads_the_new_checkpoint(
     plugin = StagedCheckpointIO(stage_root, background=True)
     path = str(directory / "last.ckpt")
     plugin.save_checkpoint({"v": torch.full((4_000_000,), 1.0)}, path)
-    plugin.wait()
+    safestage.wait()
     plugin.save_checkpoint({"v": torch.full((4_000_000,), 2.0)}, path)
     loaded = plugin.load_checkpoint(path)
-    plugin.wait()
+    safestage.wait()
     assert loaded["v"][0].item() == 2.0, "load_checkpoint returned the previous checkpoint"
 
 
@@ -201,7 +201,7 @@ def test_lightning_background_save_inside_staged_dir_is_committed_complete(
     with safestage.staged_dir(dest, shm_dir) as local:
         plugin.save_checkpoint(state, str(local / "model.ckpt"))
     try:
-        plugin.wait()
+        safestage.wait()
         failure = None
     except PublishError as exc:  # the publish into `local`, removed by the commit meanwhile
         failure = exc
@@ -246,7 +246,7 @@ def test_lightning_background_save_into_a_staged_file_path_is_published(
     state = {"v": torch.arange(4_000_000, dtype=torch.float32)}
     with safestage.staged_file(dest, shm_dir) as local:
         plugin.save_checkpoint(state, str(local))
-    plugin.wait()
+    safestage.wait()
     assert torch.equal(torch.load(dest)["v"], state["v"])
 
 
@@ -257,7 +257,7 @@ def test_clean_keeps_an_unpublished_checkpoint_named_like_a_writer_temp(
     kit_mounts: dict[str, Any], stage_root: Path
 ) -> None:
     """_local_name guards "", the disposable marker and the staged commit name, but not
-    safetensors' temp pattern (.tmpXXXXXX), which staged_name guards for single files. A
+    safetensors' temp pattern (.tmpXXXXXX), which local_name guards for single files. A
     checkpoint directory called `.tmpAbC123` whose publish failed is kept in the staging root
     (the only copy of its files); once its process is gone, `safestage clean` reads the
     private directory as "only a torn writer temp" and deletes it."""

@@ -46,7 +46,7 @@ def test_failed_followed_direct_save_never_deletes_a_file_another_save_just_publ
             time.sleep(0.3)  # A's publisher takes the file's direct lock first
         return strategy
 
-    monkeypatch.setattr(safestage._api, "follow_strategy", decide)
+    monkeypatch.setattr(safestage._save, "follow_strategy", decide)
     errors: dict[str, BaseException] = {}
     a_done = threading.Event()
 
@@ -112,12 +112,12 @@ def test_ctrl_c_while_the_followed_copy_commits_does_not_claim_the_save_unpublis
 
 def test_ctrl_c_right_after_the_writer_returned_does_not_leak_the_follow_thread(tmp_path, shm_root, monkeypatch):
     """Ctrl-C arrives after the writer returned but before write_following tells the follower
-    so (between `write()` and `follower.finish()`: simulated at the StagedFile record). The
+    so (between `write()` and `follower.finish()`: simulated at the LocalCopy record). The
     publisher thread is never told, never joined: it polls forever, holds its reader and
     (direct) the half-written destination open and the per-file direct lock, so the next
     save of that file hangs."""
     dest = tmp_path / "model.safetensors"
-    real_staged_file = _stage.StagedFile
+    real_staged_file = _stage.LocalCopy
     fired: list[bool] = []
 
     def interrupted(*args, **kwargs):
@@ -128,10 +128,10 @@ def test_ctrl_c_right_after_the_writer_returned_does_not_leak_the_follow_thread(
 
     before = threading.active_count()
     with safestage.staged(shm_root, follow=True, publish="direct") as stage:
-        monkeypatch.setattr(_stage, "StagedFile", interrupted)
+        monkeypatch.setattr(_stage, "LocalCopy", interrupted)
         with pytest.raises(KeyboardInterrupt):
             save_with(stage, slow_writer(delay=0.005), dest)
-        monkeypatch.setattr(_stage, "StagedFile", real_staged_file)
+        monkeypatch.setattr(_stage, "LocalCopy", real_staged_file)
         time.sleep(0.2)
         leaked = [t.name for t in threading.enumerate() if t.name == "safestage-follow"]
         second: list[BaseException] = []

@@ -1,4 +1,4 @@
-"""Fifth review: the free-space pre-check (StagingArea.check_room) and follow mode's
+"""Fifth review: the free-space pre-check (StagingRoot.check_room) and follow mode's
 small-save skip (FOLLOW_MIN_BYTES), each defect a failing test."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_a_root_on_an_unlimited_tmpfs_or_ramfs_is_not_refused_as_full(unlimited_
         save_file(tensors, str(dest))
     loaded = load_file(str(dest))
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())
-    assert [r.strategy for r in stage.records] == ["replace"]
+    assert [r.publish for r in stage.records] == ["replace"]
     assert os.listdir(unlimited_root) == []
 
 

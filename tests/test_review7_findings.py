@@ -250,7 +250,7 @@ logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 with safestage.staged(sys.argv[1], publish="direct", follow=False) as stage:
     Path(sys.argv[3]).touch()  # about to save
     stage._save(write, Path(sys.argv[2]))
-print("OTHER SAVED", stage.records[-1].strategy, flush=True)
+print("OTHER SAVED", stage.records[-1].publish, flush=True)
 '''
 
 
@@ -312,7 +312,7 @@ def test_a_direct_save_from_another_process_during_a_followed_one_ends_in_a_torn
     output, _ = other[0].communicate(timeout=120)
     assert "OTHER SAVED direct" in output, output  # the other save succeeded too
     assert "waiting for another process's direct write" in output, output  # it met ours
-    assert [r.strategy for r in stage.records] == ["direct"]
+    assert [r.publish for r in stage.records] == ["direct"]
     ours = b"".join(bytes([i + 1]) * CHUNK for i in range(CHUNKS))
     theirs = b"".join(bytes([200 + i]) * CHUNK for i in range(CHUNKS))
     data = dest.read_bytes()

@@ -331,7 +331,7 @@ def test_direct_overwrite_on_mountpoint_keeps_a_reader_open_while_opening_the_wr
                 save_file({"w": torch.full((1000,), 2.0)}, str(dest))  # the overwrite
         finally:
             _publish._regular_and_blocking = real
-        assert [r.strategy for r in stage.records] == ["direct"]
+        assert [r.publish for r in stage.records] == ["direct"]
         assert load_file(str(dest))["w"].eq(2.0).all()
     finally:
         import shutil

@@ -79,8 +79,8 @@ from pathlib import Path
 import safestage
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
 root, dest, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-from safestage import _api
-real = _api.write_following
+from safestage import _save
+real = _save.write_following
 def paused(*args, **kwargs):
     # Only a timing window: this save has seen no file at dest (so it follows), and the
     # other rank's save of the same new file starts now and takes the lock first.
@@ -88,7 +88,7 @@ def paused(*args, **kwargs):
     while not go.exists():
         time.sleep(0.02)
     return real(*args, **kwargs)
-_api.write_following = paused
+_save.write_following = paused
 def quick(path):
     with open(path, "wb") as f:
         f.write(b"v" * 4096)

@@ -479,7 +479,7 @@ def test_doctor_leaves_its_failed_staged_copy_when_the_root_is_given_through_a_s
     """README: doctor "removes its probe directory and touches nothing else". On a
     destination where the staged save fails (the close-eio upload), the publish keeps its
     complete staged copy and doctor means to delete it, but only if the copy's directory is
-    textually under settings.staging_root(); the StagingArea root is the kernel's path. With
+    textually under settings.staging_root(); the StagingRoot root is the kernel's path. With
     --dir (or SAFESTAGE_DIR) given through a symlink (/scratch -> /local/nvme/scratch), the
     copy stays - a complete file, so no sweep or `safestage clean` ever removes it - while
     the report says cleanup removed=True. What the user loses: disk space in the staging
@@ -512,7 +512,7 @@ def test_the_staging_root_is_normalized_as_text(tmp_path):
     assert os.path.samefile(given, tmp_path / "real" / "stage")
     stage = safestage.activate(given)
     try:
-        used = stage._area.root  # where the private directories are made
+        used = safestage._save.staging_root(stage.settings).path  # where the save directories are made
     finally:
         stage.close()
     assert os.path.samefile(used, tmp_path / "real" / "stage"), f"staging in {used}, not in {given}"
@@ -619,7 +619,7 @@ def test_a_directory_named_like_a_deleted_one_is_saved_unstaged(root):
         directory.mkdir()
         with safestage.staged(root) as stage:
             save_file(tensors(7), str(directory / "model.safetensors"))  # ENOSYS: unstaged
-        assert [r.strategy for r in stage.records] == ["replace"]
+        assert [r.publish for r in stage.records] == ["replace"]
         assert loads_as(directory / "model.safetensors", 7.0)
 
 
@@ -627,7 +627,7 @@ def test_a_directory_named_like_a_deleted_one_is_saved_unstaged(root):
 
 
 def test_staged_file_under_a_regular_file_reports_enoent_not_enotdir(root, tmp_path):
-    """_checked_destination promises "the error a plain open would give"; open() of
+    """_save.destination promises "the error a plain open would give"; open() of
     `afile/x` where afile is a regular file fails with ENOTDIR. staged_file raises
     PublishError(ENOENT, "the directory of ... does not exist (or is not a directory): create
     it"), advice that makes the user try `mkdir -p` over an existing file. Cosmetic."""
@@ -645,7 +645,7 @@ def test_staged_file_under_a_regular_file_reports_enoent_not_enotdir(root, tmp_p
 def test_ctrl_c_after_the_replace_keeps_a_needless_copy_and_says_the_publish_was_interrupted(root, tmp_path):
     """publish="replace" with fsync: the temp is os.replace'd over the final name, then the
     directory is fsync'ed (on HDFS FUSE or NFS that takes a while). A Ctrl-C there: the new
-    file IS at its destination, but publish_staged sees its staged copy still present, keeps
+    file IS at its destination, but publish_local sees its staged copy still present, keeps
     it, and notes "interrupted while publishing <dest>; the complete staged copy is kept".
     The copy holds a complete file, so no sweep or clean will ever remove it. What the user
     loses: disk space in the staging root, and a note that makes them believe the

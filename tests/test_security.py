@@ -124,7 +124,7 @@ def test_planted_symlinks_in_a_world_writable_root_are_never_followed(tmp_path, 
     with safestage.staged(root) as stage:
         for index in range(12):
             save_file(tensors(index), str(dests[index % 2] / f"m{index}.safetensors"))
-    assert {r.strategy for r in stage.records} == {"rename", "replace"}
+    assert {r.publish for r in stage.records} == {"rename", "replace"}
     for index in range(12):
         assert loads_equal(dests[index % 2] / f"m{index}.safetensors", tensors(index))
     assert list(elsewhere.iterdir()) == [] and victim.read_text() == "precious"
@@ -312,7 +312,7 @@ def test_new_file_mode_is_0666_minus_umask(tmp_path, shm_root, kit_mounts, kind,
         "direct": "direct",
         "hdfs": "replace",
     }[kind]
-    assert [r.strategy for r in stage.records] == [expected_strategy]
+    assert [r.publish for r in stage.records] == [expected_strategy]
     for name in ("model.safetensors", "extra.bin"):
         mode = mode_of(directory / name)
         assert mode & ~wanted == 0, f"{name}: {oct(mode)} is wider than {oct(wanted)}"

@@ -90,7 +90,7 @@ def test_torch_save_onto_kit_mounts(mode, strategy, kit_mounts, shm_root, tmp_pa
     with safestage.staged(shm_root, torch_save=True) as stage:
         torch.save(obj, dest / "optimizer.pt")  # attribute lookup at call time, as Trainer does
         torch.serialization.save(obj, str(dest / "scheduler.pt"))
-    assert [(r.destination.name, r.strategy) for r in stage.records] == [
+    assert [(r.destination.name, r.publish) for r in stage.records] == [
         ("optimizer.pt", strategy), ("scheduler.pt", strategy),
     ]
     assert sorted(os.listdir(dest)) == ["optimizer.pt", "scheduler.pt"]  # exact: no temp, no probe
@@ -137,7 +137,7 @@ def test_torch_save_onto_a_real_s3fs_mount(real_dir, shm_root, tmp_path):
     obj = state()
     with safestage.staged(shm_root, torch_save=True) as stage:
         torch.save(obj, real_dir / "rng_state.pth")
-    assert [r.strategy for r in stage.records] == ["replace"]
+    assert [r.publish for r in stage.records] == ["replace"]
     assert os.listdir(real_dir) == ["rng_state.pth"]
     assert_equal(torch.load(real_dir / "rng_state.pth"), obj)
     assert stat.S_IMODE(os.stat(real_dir / "rng_state.pth").st_mode) == 0o644
@@ -152,7 +152,7 @@ def test_local_disk_across_devices_gets_0644_and_same_device_renames(tmp_path, s
         torch.save(obj, tmp_path / "b.pt")
     with safestage.staged(shm_root, torch_save=True, when="auto") as auto:
         torch.save(obj, tmp_path / "c.pt")  # local disk: torch.save itself writes it
-    assert [r.strategy for r in across.records + same.records + auto.records] == ["replace", "rename", "unstaged"]
+    assert [r.publish for r in across.records + same.records + auto.records] == ["replace", "rename", "unstaged"]
     for name in ("a.pt", "b.pt", "c.pt"):
         assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o644
         assert_equal(torch.load(tmp_path / name), obj)
@@ -532,7 +532,7 @@ SCRIPT = textwrap.dedent(
     stage = _autoload._stage
     print(json.dumps({
         "active": safestage.is_active(),
-        "records": [[r.destination.name, r.strategy] for r in (stage.records if stage else [])],
+        "records": [[r.destination.name, r.publish] for r in (stage.records if stage else [])],
     }))
     """
 )

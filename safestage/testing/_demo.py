@@ -168,6 +168,6 @@ def run_demo(
                 staged = f"raised PublishError ({errno.errorcode.get(exc.errno or 0, exc.errno)} at {exc.step}); complete copy kept in the staging root"
             else:
                 staged_ok, described = _outcome(staged_dir, name, tensors)
-                staged = f"{stage.records[0].strategy}: {described}"
+                staged = f"{stage.records[0].publish}: {described}"
             rows.append(DemoRow(label, plain, staged, plain_ok, staged_ok, loud))
     return rows

@@ -52,7 +52,7 @@ def main() -> None:
         except BaseException as error:  # noqa: BLE001 - the fact to report
             out["error"] = describe(error)
         if plugins:
-            out["records"] = [[r.destination.name, r.strategy] for r in plugins[0].records]
+            out["records"] = [[r.destination.name, r.publish] for r in plugins[0].records]
         out["tmpdir_new"] = sorted(tmpdir_files() - before)
         out["listing"] = sorted(os.listdir(case["dir"]))
         if os.path.exists(dest):

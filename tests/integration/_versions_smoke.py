@@ -65,7 +65,7 @@ def main(hdfs: Path, close_eio: Path, root: Path) -> dict[str, object]:
         safetensors.numpy.save_file(arrays, str(hdfs / "numpy.safetensors"))
     loaded_model = load_file(str(hdfs / "model.safetensors"))
     out["staged"] = {
-        "strategies": [r.strategy for r in stage.records],
+        "strategies": [r.publish for r in stage.records],
         "file_equal": equal(hdfs / "file.safetensors", data),
         "model_equal": all(torch.equal(v, model.state_dict()[k]) for k, v in loaded_model.items()),
         "numpy_equal": bool((safetensors.numpy.load_file(str(hdfs / "numpy.safetensors"))["x"] == arrays["x"]).all()),

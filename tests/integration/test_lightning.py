@@ -203,7 +203,7 @@ def test_trainer_model_checkpoint_remove_and_resume_on_hdfs(kit_mounts, shm_root
     plugin = StagedCheckpointIO(shm_root)
     module = _tiny_module()
     _trainer(dest, [plugin], max_steps=4).fit(module, _loader())
-    assert [r.strategy for r in plugin.records] == ["replace"] * 4
+    assert [r.publish for r in plugin.records] == ["replace"] * 4
     assert os.listdir(dest) == ["epoch=0-step=4.ckpt"]  # save_top_k=1: the older three removed (delegated)
     _assert_weights(dest / "epoch=0-step=4.ckpt", module)
     assert stat.S_IMODE(os.stat(dest / "epoch=0-step=4.ckpt").st_mode) == 0o644
@@ -230,7 +230,7 @@ def test_async_checkpoint_io_onto_mountpoint(kit_mounts, shm_root):
     staged = StagedCheckpointIO(shm_root)
     module = _tiny_module()
     _trainer(dest, [AsyncCheckpointIO(staged)], max_steps=3).fit(module, _loader())
-    assert [r.strategy for r in staged.records] == ["direct"] * 3  # published on Lightning's thread
+    assert [r.publish for r in staged.records] == ["direct"] * 3  # published on Lightning's thread
     names = [f"epoch=0-step={n}.ckpt" for n in (1, 2, 3)]
     listing = sorted(os.listdir(dest))
     assert set(listing) <= set(names) and names[-1] in listing, listing
@@ -300,7 +300,7 @@ def test_forked_child_publishes_before_it_returns_even_in_background(kit_mounts,
         except BaseException:
             os._exit(4)
     _, status = os.waitpid(pid, 0)
-    plugin.wait()
+    safestage.wait()
     assert os.waitstatus_to_exitcode(status) == 0
     assert torch.load(dest / "child.ckpt") == {"child": 1}
     assert [r.destination.name for r in plugin.records] == ["parent.ckpt"]  # the child's are its own
@@ -345,7 +345,7 @@ def test_fabric_delegation_options_and_pickling(tmp_path, shm_root, kit_mounts):
     dest = fresh_dir(kit_mounts["mountpoint"], "fabric")
     fabric.save(dest / "new-dir" / "a.ckpt", {"x": torch.arange(3)})  # the directory is made, as Lightning does
     assert fabric.load(dest / "new-dir" / "a.ckpt")["x"].equal(torch.arange(3))
-    assert [r.strategy for r in plugin.records] == ["direct"]
+    assert [r.publish for r in plugin.records] == ["direct"]
     # Not a local path: Lightning's own plugin saves it (fsspec's memory filesystem here).
     url = f"memory://safestage-{uuid.uuid4().hex[:6]}/b.ckpt"
     plugin.save_checkpoint({"y": 1}, url)
@@ -354,7 +354,7 @@ def test_fabric_delegation_options_and_pickling(tmp_path, shm_root, kit_mounts):
     assert os.listdir(dest / "new-dir") == []
     background = StagedCheckpointIO(shm_root, background=True)
     L.Fabric(accelerator="cpu", devices=1, plugins=[background]).save(dest / "bg.ckpt", {"b": 2})
-    background.wait()  # Fabric has no teardown: wait() is the end of the block
+    safestage.wait()  # Fabric has no teardown: safestage.wait() is the end of the block
     assert [r.destination.name for r in background.records] == ["bg.ckpt"]
     assert fabric.load(dest / "bg.ckpt") == {"b": 2}
     with pytest.raises(TypeError, match="storage_options"):
@@ -384,7 +384,7 @@ def test_custom_checkpoint_io_saves_into_the_staging_file(tmp_path, shm_root, ki
     dest = fresh_dir(kit_mounts["hdfs"], "custom")
     plugin.save_checkpoint({"step": 5}, str(dest / "s.json"))
     assert plugin.load_checkpoint(dest / "s.json") == {"step": 5}
-    assert [r.strategy for r in plugin.records] == ["replace"] and os.listdir(dest) == ["s.json"]
+    assert [r.publish for r in plugin.records] == ["replace"] and os.listdir(dest) == ["s.json"]
 
 
 def test_no_double_staging_with_torch_save_on(kit_mounts, shm_root):
@@ -418,4 +418,4 @@ def test_staging_root_is_not_tmpdir_unless_asked(monkeypatch, tmp_path, kit_moun
     plugin.save_checkpoint({"a": torch.ones(2)}, dest / "x.ckpt")
     with contextlib.suppress(FileNotFoundError):
         assert os.listdir(tmpdir / f"safestage-{os.getuid()}") == []
-    assert plugin.records[0].strategy == "direct"
+    assert plugin.records[0].publish == "direct"

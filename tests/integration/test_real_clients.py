@@ -95,7 +95,7 @@ def test_staged_in_process(name, mode, real_mounts, shm_root, tmp_path):
         client.save(built, dest)
     shards = assert_checkpoint(dest, client, client.reference(built))
     assert sorted(r.destination for r in stage.records) == sorted(shards)
-    assert {r.strategy for r in stage.records} == {"replace"}
+    assert {r.publish for r in stage.records} == {"replace"}
     assert os.listdir(shm_root) == [], "the staging root must be left empty"
     assert_stored_as_listed(mount, dest)
 

@@ -28,7 +28,7 @@ def test_accelerate_save_state_is_staged_whole(mode, strategy, kit_mounts, shm_r
     dest = fresh_dir(kit_mounts[mode], "state")
     with safestage.staged(shm_root, torch_save=True) as stage:
         trained.accelerator.save_state(str(dest))
-    published = sorted((r.destination.name, r.strategy) for r in stage.records)
+    published = sorted((r.destination.name, r.publish) for r in stage.records)
     assert published == [(n, strategy) for n in ("model.safetensors", "optimizer.bin", "random_states_0.pkl")]
     assert sorted(os.listdir(dest)) == ["model.safetensors", "optimizer.bin", "random_states_0.pkl"]
     assert_checkpoint(dest, client, client.reference(trained))  # loads equal, 0644, no temp files
@@ -63,7 +63,7 @@ def test_transformers_trainer_checkpoint_is_staged_whole(kit_mounts, shm_root, t
     assert torch_files <= set(names) and "model.safetensors" in names, names
     staged = {r.destination.name for r in stage.records if r.destination.parent == checkpoint}
     assert staged >= torch_files | {"model.safetensors"}, staged
-    assert {r.strategy for r in stage.records} == {"direct"}
+    assert {r.publish for r in stage.records} == {"direct"}
     assert not stray_files(checkpoint)
     for name in torch_files | {"model.safetensors"}:
         assert stat.S_IMODE(os.stat(checkpoint / name).st_mode) == 0o644, name

@@ -1,0 +1,357 @@
+"""One save, planned and run: every way in goes through here.
+
+``staged()``/``activate()`` saves (the serialize_file and torch.save wrappers of _patch),
+``staged_file``, the Lightning plugin, and, for their staging directory, ``staged_dir`` and
+``commit_in_place``. A save is planned (``plan``) as one of:
+
+- ``unstaged``: the original writer straight to the destination (skip_local_disk on a local
+  disk, or a path inside a staged_file/staged_dir local directory, which is staging already);
+- ``followed``: serialized locally while a thread publishes behind the writer (_follow);
+- ``staged``: serialized locally, then published before the save returns;
+- ``background``: serialized locally, published by the one background publisher
+  (_background), which owns the future and its error.
+
+and then run (``run``). The staging root is checked and swept once per process and root
+(``staging_root``), not per save: a Lightning run saving a checkpoint every few minutes
+probes and sweeps its root once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+from . import _background, _patch
+from ._config import PathArg, Settings
+from ._errors import PublishError, StagingError
+from ._mounts import is_local_disk
+from ._names import local_name
+from ._paths import absolute, resolve_destination
+from ._stage import (
+    LocalCopy,
+    PublishRecord,
+    SaveDir,
+    StagingRoot,
+    follow_strategy,
+    keep_unpublished,
+    publish_local,
+    write_following,
+    write_local,
+    write_unstaged,
+)
+
+log = logging.getLogger("safestage")
+
+Way = Literal["unstaged", "followed", "staged", "background"]
+Record = Callable[[PublishRecord], None]
+AsError = Callable[[BaseException], BaseException]
+
+
+def _as_is(exc: BaseException) -> BaseException:
+    return exc
+
+
+# -- the staging root: checked and swept once per process and root ------------------------------
+
+_roots: dict[tuple[int, Path, bool], StagingRoot] = {}
+_roots_lock = threading.Lock()
+
+
+def staging_root(settings: Settings, *, opening: bool = False) -> StagingRoot:
+    """The checked staging root of ``settings``: built (checked, swept) on first use in this
+    process, then reused while the directory is still there as itself. ``opening`` (an
+    activation, a plugin made): a root removed since is checked again, so that the
+    activation fails as on first use."""
+    path = settings.staging_root()
+    is_default = settings.root is None
+    key = (os.getpid(), path, is_default)
+    with _roots_lock:
+        root = _roots.get(key)
+        if root is not None and not (is_default or opening) and not os.path.lexists(root.path):
+            return root  # removed since: its next save says so ("it no longer exists")
+        if root is None or not root.unchanged():  # the default root is made again
+            root = StagingRoot(path, is_default=is_default)
+            _roots[key] = root
+        return root
+
+
+def save_dir(settings: Settings) -> tuple[StagingRoot, SaveDir]:
+    """A fresh private save directory under the checked staging root (staged_dir,
+    commit_in_place)."""
+    root = staging_root(settings)
+    return root, root.new_save_dir()
+
+
+# -- saves in progress, by destination ----------------------------------------------------------
+
+_progress = threading.Condition()
+_saving: Counter[Path] = Counter()
+_then: dict[Path, list[Callable[[], None]]] = {}
+
+
+@contextlib.contextmanager
+def _counted(dest: Path) -> Iterator[None]:
+    with _progress:
+        _saving[dest] += 1
+    actions: list[Callable[[], None]] = []
+    try:
+        yield
+    finally:
+        with _progress:
+            _saving[dest] -= 1
+            if _saving[dest] <= 0:
+                del _saving[dest]
+                actions = _then.pop(dest, [])
+        for action in actions:
+            _background.settle(dest)
+            action()
+
+
+def when_saved(dest: Path, action: Callable[[], None]) -> None:
+    """Run ``action`` once ``dest`` is neither being saved nor publishing: now (after its
+    pending background publish) or, if a save of it is running in another thread, by that
+    thread when the save ends (Lightning's top-k removal under AsyncCheckpointIO)."""
+    with _progress:
+        if _saving[dest]:
+            _then.setdefault(dest, []).append(action)
+            return
+    _background.settle(dest)
+    action()
+
+
+def _after_fork_in_child() -> None:
+    # The parent's threads (a save in progress, a root being checked) do not exist here.
+    global _roots_lock, _progress
+    _roots_lock = threading.Lock()
+    _roots.clear()
+    _progress = threading.Condition()
+    _saving.clear()
+    _then.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# -- plan and run --------------------------------------------------------------------------------
+
+
+def plan(
+    settings: Settings, dest: Path, root: StagingRoot, *, needs: Optional[int], owner: object
+) -> Way:
+    """How one save of ``dest`` runs (see the module docstring)."""
+    if _patch.in_unstaged_dir(dest):
+        # Into staged_dir's local directory or staged_file's path: staging already, and its
+        # owner publishes it (staging it again would publish after the owner had committed).
+        return "unstaged"
+    if settings.when == "auto" and is_local_disk(dest.parent):
+        return "unstaged"
+    if settings.background and _background.may_defer(owner):
+        return "background"
+    if follow_strategy(settings, dest, root, needs) is not None:
+        return "followed"
+    return "staged"
+
+
+def run(
+    write: Callable[[str], None],
+    dest: Path,
+    settings: Settings,
+    *,
+    owner: object,
+    record: Record,
+    needs: Optional[int] = None,
+    as_error: AsError = _as_is,
+) -> None:
+    """One save: ``write(path)`` writes the file, planned and published as ``plan`` says;
+    ``record`` receives its PublishRecord (on a worker thread for a background publish).
+
+    ``owner`` is whoever waits for its background publish (``_background.wait(owner)``);
+    ``as_error`` gives safestage's errors the class that writer's callers catch
+    (SafetensorError for safetensors, RuntimeError for torch.save); ``needs``, the file's
+    size if known, lets a staging root that cannot hold it refuse before anything is written.
+    Raises what a staged save raises (StagingError, PublishError with the complete copy
+    kept); a writer's own error removes the local copy and reaches the caller unchanged."""
+    with _counted(dest):
+        root = staging_root(settings)
+        way = plan(settings, dest, root, needs=needs, owner=owner)
+        if way == "unstaged":
+            record(write_unstaged(write, dest, settings))
+            return
+        if way == "followed":
+            _background.settle(dest)  # an earlier background publish of it lands first
+            try:
+                following = write_following(write, dest, root, settings, needs=needs)
+            except (PublishError, StagingError) as exc:
+                as_error(exc)
+                raise
+            record(following)
+            return
+        if way == "background":
+            _make_room(root, needs, dest, owner)  # checked here: write_local need not again
+            needs = None
+        copy = write_local(write, dest, root, needs=needs)
+        publish(copy, settings, root, owner=owner if way == "background" else None,
+                record=record, as_error=as_error)  # fmt: skip
+
+
+def publish(
+    copy: LocalCopy,
+    settings: Settings,
+    root: StagingRoot,
+    *,
+    owner: object = None,
+    record: Record,
+    as_error: AsError = _as_is,
+    copy_bytes: bool = False,
+) -> None:
+    """Publish a local copy: now (``owner`` None), after any pending background publish of
+    the same destination, or on the background publisher for ``owner``. ``copy_bytes``:
+    never move the local file itself (rename), copy its bytes."""
+
+    def job() -> PublishRecord:
+        try:
+            published = publish_local(copy, settings, root, copy=copy_bytes)
+        except (PublishError, StagingError) as exc:
+            as_error(exc)
+            raise
+        record(published)
+        return published
+
+    if owner is None:
+        _background.settle(copy.dest)  # an earlier background publish of it lands first
+        job()
+        return
+    try:
+        _background.publisher().submit(
+            job, copy.dest, max_pending=settings.max_pending, owner=owner, kept=copy.path
+        )
+    except BaseException as exc:  # Ctrl-C while waiting for a slot: keep and name the copy
+        keep_unpublished(copy, exc)
+        raise
+
+
+def _make_room(root: StagingRoot, needs: Optional[int], dest: Path, owner: object) -> None:
+    """background: a root too full for this file now may hold it once the owner's pending
+    publishes have landed and their local copies are gone; wait for those before refusing
+    (review 5). Their failures are raised where they always are (close, teardown)."""
+    try:
+        root.check_room(needs, dest)
+    except StagingError:
+        pending = _background.running(owner)
+        if not pending:
+            raise
+        import concurrent.futures
+
+        log.info("%s: the staging root is full until %d pending publish(es) land; waiting", dest, len(pending))
+        concurrent.futures.wait(pending)
+        root.check_room(needs, dest)
+
+
+# -- staged_file: the writer is the caller's block ----------------------------------------------
+
+
+@contextlib.contextmanager
+def local_file(dest: Path, settings: Settings) -> Iterator[Path]:
+    """A local path in a fresh save directory for any writer (the caller's block); published
+    to ``dest`` when the block succeeds, removed when it raises."""
+    with _counted(dest):
+        root = staging_root(settings)
+        started = time.perf_counter()
+        copy: Optional[LocalCopy] = None
+        private = root.new_save_dir()
+        _patch.add_unstaged_dir(private.path)  # a safetensors save into it is not staged again
+        try:
+            local = private / local_name(dest.name)
+            try:
+                yield local
+            except BaseException:
+                private.remove()
+                raise
+            finally:
+                _patch.remove_unstaged_dir(private.path)
+            copy = LocalCopy(private, local, dest, started, time.perf_counter() - started)
+            _check_written(copy)
+        finally:
+            if copy is None:
+                private.release()
+        # A symlink left by the writer (a cache's file): publish its bytes, never the link,
+        # and never touch its target (a rename would move the link and chmod the target).
+        publish(copy, settings, root, record=lambda _: None, copy_bytes=stat.S_ISLNK(os.lstat(local).st_mode))
+
+
+def _check_written(copy: LocalCopy) -> None:
+    """The writer must have left one regular file (or a symlink to one) at the local path;
+    anything else is an error, and whatever it wrote is kept and named, never deleted."""
+    local = copy.path
+    try:
+        info = os.lstat(local)
+    except FileNotFoundError:
+        copy.save_dir.remove()
+        raise StagingError(
+            errno.ENOENT,
+            f"safestage.staged_file: nothing was written to {local}, so nothing was published to {copy.dest}.",
+            str(local),
+        ) from None
+    if stat.S_ISREG(info.st_mode) or (stat.S_ISLNK(info.st_mode) and local.is_file()):
+        return
+    kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+    copy.save_dir.release()  # kept: it may hold hours of work (a save_state, a DCP save)
+    raise StagingError(
+        errno.EISDIR if stat.S_ISDIR(info.st_mode) else errno.EINVAL,
+        f"safestage.staged_file: the writer made {kind} at {local} where a file was expected, "
+        f"so nothing was published to {copy.dest}. What it wrote is kept at {local}; for a "
+        "whole directory use safestage.staged_dir().",
+        str(local),
+    )
+
+
+# -- the destination -----------------------------------------------------------------------------
+
+
+def destination(dest: PathArg) -> Path:
+    """The kernel's path of ``dest`` (see _paths), or the error a plain open would give."""
+    text = os.fspath(dest)
+    target = resolve_destination(text)
+    if target is not None:
+        return target
+    shown = absolute(text)
+    if text.endswith("/") or os.path.basename(text) in ("", ".", ".."):
+        raise PublishError(
+            errno.EISDIR,
+            f"safestage: {text!r} names a directory (trailing slash, '.' or '..'): name a file.",
+            str(shown),
+        )
+    if os.path.isdir(text):
+        raise PublishError(
+            errno.EISDIR, f"safestage: {shown} is a directory: name a file inside it.", str(shown)
+        )
+    code = _open_error(os.path.dirname(text) or ".")
+    if code == errno.ENOTDIR:
+        advice = "a component of its directory is not a directory"
+    elif code == errno.EACCES:
+        advice = "this user may not search its directory: fix the permissions"
+    else:
+        advice = "its directory does not exist: create it before saving"
+    raise PublishError(
+        code, f"safestage: cannot save to {shown}: [Errno {code}] {os.strerror(code)}: {advice}.", str(shown)
+    )
+
+
+def _open_error(directory: str) -> int:
+    """The errno the kernel gives for ``directory`` (ENOENT if it gives none)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.errno or errno.ENOENT
+    os.close(fd)
+    return errno.ENOENT
