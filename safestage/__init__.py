@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from . import _lifecycle  # noqa: F401 - the at-fork resets, registered once
 from ._api import Stage, activate, is_active, staged, staged_file, wait
 from ._errors import ConfigError, PublishError, SafestageError, StagingError
 from ._stage import PublishRecord

@@ -107,10 +107,7 @@ def start_from_environment(environ: Optional[Mapping[str, str]] = None) -> Optio
         return _stage
 
 
-def _after_fork_in_child() -> None:
+def after_fork_in_child() -> None:  # registered by _lifecycle
     global _lock
     _lock = threading.Lock()
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

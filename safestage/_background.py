@@ -257,7 +257,7 @@ def _finalize_in_multiprocessing_child() -> None:
     util.Finalize(None, _complete_at_exit, exitpriority=100)
 
 
-def _after_fork_in_child() -> None:
+def after_fork_in_child() -> None:  # registered by _lifecycle
     global _publisher, _publisher_lock, _owners
     _publisher = None  # the parent's pool threads and futures do not exist here
     _publisher_lock = threading.Lock()
@@ -265,8 +265,6 @@ def _after_fork_in_child() -> None:
 
 
 atexit.register(_complete_at_exit)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _run_inline(job: Callable[[], T]) -> Future[T]:

@@ -751,7 +751,6 @@ def _latest(args: argparse.Namespace) -> int:
 
 def _clean(args: argparse.Namespace) -> int:
     from ._clean import KINDS, clean
-    from ._writer_locks import sweep as sweep_writer_locks
 
     error = _existing_directory("clean", args.path)
     if error is not None:
@@ -765,8 +764,6 @@ def _clean(args: argparse.Namespace) -> int:
         action: sum(e.action == action for e in entries)
         for action in ("removed", "would-remove", "kept", "failed")
     }
-    # Lock files of direct writers killed while writing (_writer_locks): nobody holds them.
-    stale_locks = 0 if args.dry_run else sweep_writer_locks()
     if args.json:
         _print_json(
             {
@@ -774,7 +771,6 @@ def _clean(args: argparse.Namespace) -> int:
                 "dry_run": args.dry_run,
                 "entries": [entry.to_json() for entry in entries],
                 **{action.replace("-", "_"): count for action, count in counts.items()},
-                "stale_writer_locks_removed": stale_locks,
             }
         )
     else:
@@ -792,6 +788,4 @@ def _clean(args: argparse.Namespace) -> int:
             if count or action in ("removed", "kept")
         )
         _print_line(f"{summary} (safestage leftovers in {args.path}; nothing else is touched)")
-        if stale_locks:
-            _print_line(f"also removed {stale_locks} lock file(s) of killed direct writers")
     return 1 if counts["failed"] else 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import stat
@@ -42,6 +43,8 @@ from typing import Any, Callable, Optional
 from . import _config, _patch, _save
 from ._config import UNSET, PathArg, Settings
 from ._errors import PublishError
+from ._interrupts import deferred
+from ._lifecycle import start_worker
 from ._manifest import COMMIT_NAME, Crc32, FileEntry, Manifest, new_manifest, unsafe_path
 from ._names import DISPOSABLE_MARKER, is_writer_temp
 from ._paths import real_directory
@@ -113,7 +116,8 @@ class StagedDir:
             _mark_disposable(private)  # until the block returns: an unfinished checkpoint
             os.mkdir(local)
         except BaseException:
-            _to_completion(lambda: _discard(private, local))
+            with deferred():
+                _discard(private, local)
             raise
         self.dest, self.local, self._staging, self._private = dest, local, staging, private
         _patch.add_unstaged_dir(local)
@@ -130,7 +134,8 @@ class StagedDir:
         self._state = "closed"
         _patch.remove_unstaged_dir(local)
         if exc is not None:  # nothing is published; the block's exception propagates
-            _to_completion(lambda: _discard(private, local))
+            with deferred():
+                _discard(private, local)
             return
         self._commit(private, local)
 
@@ -177,12 +182,10 @@ class StagedDir:
     def _finish(self, private: SaveDir, local: Path, manifest: Manifest) -> None:
         self.manifest = manifest
 
-        def remove() -> None:
+        with deferred():
             with contextlib.suppress(OSError):  # landed: a kill during the removal leaves junk
                 _mark_disposable(private)
             _discard(private, local)
-
-        _to_completion(remove)
 
     def _publish_files(
         self, tree: _Tree, local: Path, published: dict[str, Published], created: set[Path]
@@ -192,7 +195,7 @@ class StagedDir:
         too (at their next chunk), and no worker takes another file: nothing is copied once
         this has returned or raised.
 
-        Plain threads taking paths from a shared iterator, not an executor: an interrupt can
+        Workers (_lifecycle) taking paths from a shared iterator, not an executor: an interrupt can
         land inside ``Thread.start()``, and an executor would by then have queued work that
         the half-started thread runs after we raised; here it finds the work stopped."""
         dest = self.dest
@@ -202,11 +205,10 @@ class StagedDir:
         interrupt: Optional[BaseException] = None
         try:
             for index in range(min(self.settings.max_pending, len(order))):
-                threading.Thread(
-                    target=work.run,
-                    args=(self._publish_one, local, created),
+                start_worker(
+                    functools.partial(work.run, self._publish_one, local, created),
                     name=f"safestage-commit-{index}",
-                ).start()
+                )
         except BaseException as exc:  # KeyboardInterrupt: stop the copies in flight
             interrupt = exc
             work.stop(cancel=True)
@@ -556,22 +558,6 @@ def _discard(private: SaveDir, local: Path) -> None:
     that an interrupted removal still leaves a directory that sweeps know to remove."""
     remove_tree(local)
     private.remove()
-
-
-def _to_completion(cleanup: Callable[[], None], attempts: int = 10) -> None:
-    """Run an idempotent ``cleanup`` to its end even when a KeyboardInterrupt (or SystemExit)
-    lands in it: run it again, then raise the first interrupt. Errors propagate at once."""
-    interrupt: Optional[BaseException] = None
-    for _ in range(attempts):
-        try:
-            cleanup()
-            break
-        except Exception:
-            raise
-        except BaseException as exc:
-            interrupt = interrupt or exc
-    if interrupt is not None:
-        raise interrupt
 
 
 def _mark_disposable(private: SaveDir) -> None:

@@ -26,6 +26,11 @@ writer's state before each read.) The read-back runs in the saving thread, which
 while the copy finishes.
 Any difference, or a final file that is not the inode we followed, aborts this copy (our temp
 is removed) and the complete staged file is published again from scratch.
+
+Only ``replace`` saves are followed, into our own hidden temp created with O_EXCL: a
+mismatch, a failing writer or a kill costs that temp and nothing else, and the final name
+is touched only by the rename of a checked file. A ``direct`` save is never followed: it
+writes the final name only once the writer has finished (_publish).
 """
 
 from __future__ import annotations
@@ -54,11 +59,6 @@ _VERIFY_CHUNK = 4 << 20
 
 class WriterFailed(Exception):
     """Internal: the writer raised; the follow copy is abandoned (its target removed)."""
-
-
-class NotFollowed(Exception):
-    """Internal: a direct publish cannot follow the writer because the final name exists (an
-    overwrite): it runs the ordinary way once the writer has returned."""
 
 
 class FollowMismatch(Exception):
@@ -171,17 +171,21 @@ class Follower:
                 self._changed.wait(timeout)
             return self._state
 
-    def open(self) -> Reader:
-        """A reader for one copy attempt. The first follows the writer; a second (a copy
-        attempt retried under a fresh temp name, or the fall-back to direct) waits for the
-        writer and reads the finished staged file like a plain publish."""
-        self._opens += 1
-        if self._opens == 1:
-            return _FollowReader(self)
+    def written(self) -> None:
+        """Wait for the writer to return; WriterFailed if it failed (or the save is abandoned)."""
         while (state := self.wait()) == "writing":
             pass
         if state == "failed":
             raise WriterFailed(str(self.staged))
+
+    def open(self) -> Reader:
+        """A reader for one copy attempt. The first follows the writer; a second (a copy
+        attempt retried under a fresh temp name) waits for the writer and reads the finished
+        staged file like a plain publish."""
+        self._opens += 1
+        if self._opens == 1:
+            return _FollowReader(self)
+        self.written()
         return _PlainReader(self.staged)
 
 

@@ -48,7 +48,7 @@ def deferred() -> Iterator[None]:
 _deferring: list[tuple[Any, Any]] = []
 
 
-def _after_fork_in_child() -> None:
+def after_fork_in_child() -> None:  # registered by _lifecycle
     # A child forked (from another thread) during a deferred clean-up inherits the noting
     # handler, and no clean-up of its own will ever restore it: give it the real one back.
     if _deferring and signal.getsignal(signal.SIGINT) is _deferring[0][0]:
@@ -56,9 +56,6 @@ def _after_fork_in_child() -> None:
             signal.signal(signal.SIGINT, _deferring[0][1])
     _deferring.clear()
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _deliver(handler: Any, frame: Optional[FrameType]) -> None:

@@ -190,11 +190,9 @@ class CapabilityCache:
 capabilities = CapabilityCache()
 
 
-def _after_fork_in_child() -> None:
+def after_fork_in_child() -> None:
+    """A parent thread may have held these locks at fork() (_lifecycle)."""
     global _local_lock
     _local_lock = threading.Lock()
     capabilities.after_fork_in_child()
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

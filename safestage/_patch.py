@@ -95,7 +95,7 @@ def begin_save(*, torch_save: bool = False) -> Optional[Stage]:
         return stage
 
 
-def _after_fork_in_child() -> None:
+def after_fork_in_child() -> None:  # registered by _lifecycle
     # A thread of the parent may have held the lock at fork(), or been inside a save: neither
     # exists here, and the child's own saves must be staged.
     global _lock, _in_save
@@ -104,9 +104,6 @@ def _after_fork_in_child() -> None:
     for stage in _active:
         stage._after_fork_in_child()
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def is_active() -> bool:

@@ -8,8 +8,16 @@ Three strategies, chosen per save:
   fsync, close (checked), verify the size, then ``os.replace`` it over the final name.
   Readers see the old file or the new one, never a mix.
 - ``direct``: for destinations that cannot rename (mountpoint-s3, safetensors#792): write the
-  final name with O_CREAT|O_TRUNC. Object stores make the object visible only when close()
-  succeeds, so it is atomic there; on a POSIX filesystem readers may see a partial file.
+  final name with O_CREAT|O_TRUNC, once the writer has finished (a direct save is never
+  followed). Object stores make the object visible only when close() succeeds, so it is
+  atomic there; on a POSIX filesystem readers may see a partial file.
+
+Concurrency under ``direct``: within one process, direct writes of one path take turns (a
+per-path lock). Across processes, one writer per destination file is the caller's contract,
+as every object store requires (mountpoint-s3 refuses a second writer itself): two processes
+writing one file with ``direct`` at once may leave a mix of both under the final name.
+A child forked while we write a destination closes its copy of our descriptor at once
+(_fork_fds): a DataLoader worker must not keep an upload open.
 
 Every strategy writes the destination sequentially in large chunks and never calls
 ftruncate, fallocate, seek, hard link or O_TMPFILE on it: those are what hostile mounts
@@ -29,19 +37,18 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ._errors import PublishError
-from ._follow import Follower, NotFollowed, Reader, WriterFailed
+from ._follow import Follower, Reader
 from ._fork_fds import closed_in_children
 from ._interrupts import deferred
 from ._locks import Contended, claim, close_quietly
 from ._mounts import capabilities, filesystem_key
 from ._names import temp_name
-from ._writer_locks import sole_writer
 
 log = logging.getLogger("safestage")
 
@@ -193,7 +200,8 @@ def copy_to_new_file(
     follow: Optional[Follower] = None,
 ) -> int:
     """Copy ``source`` into ``target`` opened with ``flags``; checked fsync, close and size.
-    With ``follow``, read ``source`` while its writer is still writing it (see _follow).
+    With ``follow``, read ``source`` while its writer is still writing it (see _follow): only
+    into our own hidden temp (``replace``), never into a final name.
 
     Sequential writes only, from one reusable buffer: memory stays at ``chunk_bytes`` whatever
     the file size. ``prepare(fd)`` runs right after the open. ``digest``, if given, is updated
@@ -245,7 +253,7 @@ def _copy_from(
     **options: Any,
 ) -> int:
     # A child forked while we write the target closes its copy at once (_fork_fds).
-    with closed_in_children(target, writes_only=True):
+    with closed_in_children(target):
         return _copy_into(src, source, expected, target, **options)
 
 
@@ -262,16 +270,8 @@ def _copy_into(
     prepare: Optional[Callable[[int], None]],
     digest: Optional[Digest],
 ) -> int:
-    # expected < 0: a followed file (_follow), whose size is known only at its end. Its copy
-    # creates the target only once the writer has written something (a writer failing before
-    # its first byte leaves nothing to clean up), and holds back one chunk until the reader's
-    # end of file, which comes only after the read-back check: until the check has passed, the
-    # target is short of its last chunk, so a process killed while a mismatched copy is
-    # abandoned never leaves a complete file of unchecked bytes (under `direct`, the final
-    # name): safetensors refuses a file shorter than its header announces (review 7).
-    followed = expected < 0
-    buffer = bytearray(chunk_bytes if followed else min(chunk_bytes, max(expected, 1)))
-    pending = _read_chunk(src, buffer, source) if followed else 0
+    # expected < 0: a followed file (_follow), whose size is known only at its end.
+    buffer = bytearray(chunk_bytes if expected < 0 else min(chunk_bytes, max(expected, 1)))
     step = "create"
     try:
         out_fd = os.open(target, os.O_WRONLY | os.O_CLOEXEC | flags, mode)
@@ -287,18 +287,10 @@ def _copy_into(
         step = "write"
         if hasattr(os, "posix_fadvise") and isinstance(src, io.FileIO):
             os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        if followed:
-            spare = bytearray(len(buffer))
-            while pending:
-                count = _read_chunk(src, spare, source)  # blocks on the writer; 0 once checked
-                _write_chunk(out_fd, memoryview(buffer)[:pending], digest)
-                copied += pending
-                buffer, spare, pending = spare, buffer, count
-        else:
-            view = memoryview(buffer)
-            while count := _read_chunk(src, buffer, source):
-                _write_chunk(out_fd, view[:count], digest)
-                copied += count
+        view = memoryview(buffer)
+        while count := _read_chunk(src, buffer, source):  # a followed read blocks on the writer
+            _write_chunk(out_fd, view[:count], digest)
+            copied += count
         if fsync:
             step = "fsync"
             os.fsync(out_fd)
@@ -382,7 +374,8 @@ def publish_file(
     then the hexdigest of exactly the bytes published, computed while copying them (a fresh
     object per copy attempt). ``rename`` copies nothing, so it reads the staged file once.
 
-    ``follow``: ``staged`` is still being written; the copy reads behind its writer (_follow).
+    ``follow``: ``staged`` is still being written; a ``replace`` copy reads behind its writer
+    into its hidden temp (_follow). A ``direct`` publish waits for the writer to finish first.
     Never with rename (``staging_device`` must be None): a rename needs the whole file.
     """
     if follow is not None and staging_device is not None:
@@ -431,10 +424,10 @@ def publish_file(
                 dest, _errno_text(failed.error),
             )  # fmt: skip
 
+    if follow is not None:
+        follow.written()  # `direct` publishes after the writer: it never writes a final name early
     try:
-        nbytes, hexdigest = _direct(
-            staged, dest, mode=mode, fsync=fsync, previous=previous, digest=digest, follow=follow
-        )
+        nbytes, hexdigest = _direct(staged, dest, mode=mode, fsync=fsync, previous=previous, digest=digest)
     except _StepFailed as failed:
         raise _publish_error(failed, dest, staged, "direct", existed=existed) from failed.error
     return Published("direct", nbytes, time.perf_counter() - started, hexdigest)
@@ -607,25 +600,13 @@ def _direct(
     fsync: bool,
     previous: Optional[os.stat_result],
     digest: Optional[Callable[[], Digest]],
-    follow: Optional[Follower] = None,
 ) -> tuple[int, Optional[str]]:
     """Write the final name itself: for destinations that cannot rename (#792). One direct
-    publish of a given file at a time in this process: two would interleave their bytes."""
+    publish of a given file at a time in this process: two would interleave their bytes.
+    Other processes are not serialized: one writer per file is the caller's contract."""
     hasher = digest() if digest is not None else None
-
-    def still_wanted() -> None:
-        # While we wait for another writer of dest, a Ctrl-C in the saving thread or a
-        # cancelled directory commit must stop us (review 9): a cancellable digest raises
-        # on any update (_commit), a followed writer that failed is a WriterFailed.
-        if hasher is not None:
-            hasher.update(memoryview(b""))
-        if follow is not None and follow.state() == "failed":
-            raise WriterFailed(str(staged))
-
-    with _direct_lock(dest, still_wanted), sole_writer(dest, still_wanted):
-        nbytes = _direct_locked(
-            staged, dest, mode=mode, fsync=fsync, previous=previous, digest=hasher, follow=follow
-        )
+    with _direct_lock(dest):
+        nbytes = _direct_locked(staged, dest, mode=mode, fsync=fsync, previous=previous, digest=hasher)
         return nbytes, hasher.hexdigest() if hasher is not None else None
 
 
@@ -637,10 +618,7 @@ def _direct_locked(
     fsync: bool,
     previous: Optional[os.stat_result],
     digest: Optional[Digest],
-    follow: Optional[Follower] = None,
 ) -> int:
-    if follow is not None:
-        return _direct_new_file(staged, dest, mode=mode, fsync=fsync, previous=previous, digest=digest, follow=follow)
     is_link = os.path.islink(dest)
     if previous is not None and not is_link:
         _refuse_special_file(dest, previous)
@@ -648,12 +626,10 @@ def _direct_locked(
     aside = _Aside(dest, is_link=is_link, mapped=not is_link and previous is not None and _mapped_here(previous))
     if aside.needed:
         flags = os.O_CREAT | os.O_EXCL
-    written: list[os.stat_result] = []  # the file we write: the clean-up removes only that
-    prepare = _recording_what_is_written(written)
     try:
         nbytes = copy_to_new_file(
-            staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=prepare,
-            before_create=aside.clear_the_name, digest=digest, follow=follow,
+            staged, dest, flags=flags, mode=mode, fsync=fsync, prepare=_regular_and_blocking,
+            before_create=aside.clear_the_name, digest=digest,
         )  # fmt: skip
     except BaseException as exc:
         with deferred():
@@ -665,7 +641,7 @@ def _direct_locked(
             # filesystem has already truncated it. Keep the final name only if it is still
             # that old file, and put back a file moved aside.
             unchanged = not aside.cleared and _unchanged(dest, previous)
-            removed = None if unchanged else _unlink_torn(dest, written[0] if written else None)
+            removed = None if unchanged else _remove_torn(dest)
             restored = aside.restore() if removed else False
             if isinstance(exc, _StepFailed):
                 exc.removed = None if restored else removed
@@ -675,73 +651,13 @@ def _direct_locked(
     return nbytes
 
 
-def _direct_new_file(
-    staged: Path,
-    dest: Path,
-    *,
-    mode: int,
-    fsync: bool,
-    previous: Optional[os.stat_result],
-    digest: Optional[Digest],
-    follow: Follower,
-) -> int:
-    """A followed direct write: only of a file that does not exist yet, created with O_EXCL,
-    so the final name written while the writer still writes is ours alone. If the writer
-    fails, the copy fails or the save is interrupted, our file is removed, and only if the
-    final name is still our inode: whatever another save put there meanwhile stays (review
-    4 found a failed followed write deleting another save's file). An existing file raises
-    NotFollowed: an overwrite is published the ordinary way once the writer has returned, so
-    a writer failing mid-file never costs the old file its bytes."""
-    if previous is not None or os.path.lexists(dest):
-        raise NotFollowed(f"{dest} exists")
-    ours: list[os.stat_result] = []
-    try:
-        return copy_to_new_file(
-            staged, dest, flags=os.O_CREAT | os.O_EXCL, mode=mode, fsync=fsync,
-            prepare=_recording_what_is_written(ours), digest=digest, follow=follow,
-        )  # fmt: skip
-    except _StepFailed as failed:
-        if failed.step == "create" and failed.error.errno == errno.EEXIST:
-            raise NotFollowed(f"{dest} appeared before the followed write") from failed.error
-        with deferred():  # "removed": no incomplete file of ours is left under the name
-            failed.removed = _unlink_torn(dest, ours[0]) if ours else True
-        raise
-    except BaseException:
-        with deferred():
-            if ours:
-                _unlink_torn(dest, ours[0])
-        raise
-
-
-def _recording_what_is_written(into: list[os.stat_result]) -> Callable[[int], None]:
-    """A ``prepare`` for a direct write: checks the file (_regular_and_blocking) and records
-    its identity, so a clean-up removes that file and never one another save put there."""
-
-    def prepare(fd: int) -> None:
-        into.append(os.fstat(fd))
-        _regular_and_blocking(fd)
-
-    return prepare
-
-
-def _unlink_torn(dest: Path, ours: Optional[os.stat_result]) -> bool:
-    """Remove the torn file a direct publish wrote under the final name (``ours``, when
-    known); True if no torn file of ours is left there. A refusal is retried for a moment:
-    a child forked during the copy holds our descriptor until its fork handler closes it
-    (_fork_fds), and until then mountpoint refuses to unlink a file being written (EPERM).
-    Before every attempt the name must still be our file: another save may publish there
-    meanwhile, and its file is not ours to remove (review 8)."""
+def _remove_torn(dest: Path) -> bool:
+    """Remove the torn file a direct publish wrote under the final name; True if none is left.
+    A refusal is retried for a moment: a child forked during the copy holds our descriptor
+    until its fork handler closes it (_fork_fds), and until then mountpoint refuses to unlink
+    a file being written (EPERM)."""
     deadline = time.monotonic() + _UNLINK_PATIENCE_S
     while True:
-        if ours is not None:
-            try:
-                if not os.path.samestat(os.lstat(dest), ours):
-                    log.debug("%s is no longer the file this save wrote: left alone", dest)
-                    return True
-            except FileNotFoundError:
-                return True
-            except OSError:
-                pass  # cannot tell: it is most likely still ours
         try:
             os.unlink(dest)
         except FileNotFoundError:
@@ -821,17 +737,10 @@ _direct_locks: dict[str, threading.Lock] = {}
 _direct_locks_guard = threading.Lock()
 
 
-@contextlib.contextmanager
-def _direct_lock(dest: Path, still_wanted: Callable[[], None]) -> Iterator[None]:
-    key = str(dest)
+def _direct_lock(dest: Path) -> threading.Lock:
+    """The in-process lock of direct writes of ``dest`` (never removed: one per path written)."""
     with _direct_locks_guard:
-        lock = _direct_locks.setdefault(key, threading.Lock())
-    while not lock.acquire(timeout=0.05):  # another thread writes dest: wait, cancellably
-        still_wanted()
-    try:
-        yield
-    finally:
-        lock.release()
+        return _direct_locks.setdefault(str(dest), threading.Lock())
 
 
 def _refuse_special_file(dest: Path, previous: os.stat_result) -> None:
@@ -845,8 +754,6 @@ def _refuse_special_file(dest: Path, previous: os.stat_result) -> None:
                 "(a plain safetensors save and publish='replace' replace it with a regular file)"
             )
             raise failed
-
-
 
 
 def _regular_and_blocking(fd: int) -> None:
@@ -999,13 +906,9 @@ def kept_copy_text(kept: Optional[Path]) -> str:
     return f"The complete staged copy is kept at {kept}: copy it there yourself or save again."
 
 
-def _after_fork_in_child() -> None:
-    # Locks a thread of the parent held at fork() would never be released here.
+def after_fork_in_child() -> None:
+    """Locks a thread of the parent held at fork() would never be released here (_lifecycle)."""
     global _direct_locks_guard, _umask_lock
     _direct_locks.clear()
     _direct_locks_guard = threading.Lock()
     _umask_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

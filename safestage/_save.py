@@ -128,7 +128,7 @@ def when_saved(dest: Path, action: Callable[[], None]) -> None:
     action()
 
 
-def _after_fork_in_child() -> None:
+def after_fork_in_child() -> None:  # registered by _lifecycle
     # The parent's threads (a save in progress, a root being checked) do not exist here.
     global _roots_lock, _progress
     _roots_lock = threading.Lock()
@@ -136,10 +136,6 @@ def _after_fork_in_child() -> None:
     _progress = threading.Condition()
     _saving.clear()
     _then.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- plan and run --------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import stat
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,9 @@ from typing import Callable, Optional
 
 from ._config import Settings
 from ._errors import PublishError, StagingError
-from ._follow import FOLLOW_MIN_BYTES, Follower, FollowMismatch, NotFollowed, WriterFailed
+from ._follow import FOLLOW_MIN_BYTES, Follower, FollowMismatch, WriterFailed
 from ._interrupts import deferred
+from ._lifecycle import start_worker
 from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
 from ._names import local_name, save_dir_name
@@ -393,14 +393,12 @@ def follow_strategy(
     settings: Settings, dest: Path, staging: StagingRoot, needs: Optional[int] = None
 ) -> Optional[str]:
     """The strategy a followed save of ``dest`` would publish with, or None where following
-    does not apply. ``replace``: its temp is ours alone (O_EXCL), so a writer failing
-    mid-file costs nothing but that temp. ``direct`` only for a new file: the final name is
-    created with O_EXCL when the copy starts, and removed only while it is still that inode
-    (an existing file, or one another save publishes before our open, is published after
-    the writer, as without following: _publish._direct_new_file). A rename needs the whole
-    file. A save known to be smaller than FOLLOW_MIN_BYTES is not followed: there is nothing
-    to overlap. A save of unknown size (torch.save) only with follow=True; the default
-    (None, "auto") follows only what it knows to be big."""
+    does not apply. Only ``replace``: its temp is ours alone (O_EXCL), so a writer failing
+    mid-file costs nothing but that temp. ``direct`` publishes after the writer (never
+    followed), and a rename needs the whole file. A save known to be smaller than
+    FOLLOW_MIN_BYTES is not followed: there is nothing to overlap. A save of unknown size
+    (torch.save) only with follow=True; the default (None, "auto") follows only what it
+    knows to be big."""
     if settings.follow is False:
         return None
     if needs is None:
@@ -409,9 +407,7 @@ def follow_strategy(
     elif needs < FOLLOW_MIN_BYTES:
         return None
     strategy = planned_strategy(settings.publish, dest, staging.device)
-    if strategy == "direct" and os.path.lexists(dest):
-        return None  # an overwrite: never followed (_publish._direct_new_file)
-    return strategy if strategy in ("replace", "direct") else None
+    return strategy if strategy == "replace" else None
 
 
 def write_following(
@@ -432,10 +428,6 @@ def write_following(
     staged = private / local_name(dest.name)
     follower = Follower(private.path, staged)
     outcome: list[object] = []
-    # Waited on instead of Thread.join(): on CPython 3.11 a join() that a KeyboardInterrupt
-    # cuts short can mark the live thread as stopped, and the next join() returns at once
-    # (bpo-45274; the same reason as _commit._Work).
-    finished = threading.Event()
 
     def publish() -> None:
         try:
@@ -447,11 +439,9 @@ def write_following(
             outcome.append(exc)
         finally:
             follower.reader_gone()  # a failed publish never asks for the read-back
-            finished.set()
 
-    publisher = threading.Thread(target=publish, name="safestage-follow", daemon=True)
     try:
-        publisher.start()
+        publisher = start_worker(publish, name="safestage-follow", daemon=True)
     except RuntimeError as exc:
         # No thread to be had (a container at its pids limit, RLIMIT_NPROC, interpreter
         # shutdown on 3.12+): the save needs none, so it is staged, then published (review 6).
@@ -464,13 +454,13 @@ def write_following(
         item = LocalCopy(private, staged, dest, started, time.perf_counter() - started)
         follower.finish()
         follower.check_final()  # the read-back CRC, while the publisher copies the tail
-        finished.wait()
+        publisher.wait()
     except BaseException as exc:
         # Every way out stops and joins the publisher first: no thread may go on copying
         # (or hold the destination's lock) after this save has returned.
         with deferred():
             follower.fail()
-            finished.wait()  # the publisher removes its partial copy
+            publisher.wait()  # the publisher removes its partial copy
         if item is None:  # the writer failed, or was interrupted: nothing to keep
             with deferred():
                 private.remove()
@@ -491,9 +481,6 @@ def write_following(
         # ordinary publish would meet, not a reason to copy everything again.
         keep_unpublished(item, result)
         raise _naming_the_kept_copy(result, item)
-    if isinstance(result, NotFollowed):  # an overwrite by direct: published after the writer
-        log.debug("%s: not followed (%s); publishing the complete staged file", dest, result)
-        return publish_local(item, settings, staging, copy=True)
     if not isinstance(result, Published):
         log.warning(
             "%s: the copy made while serializing could not be used (%s: %s); publishing the "

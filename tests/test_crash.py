@@ -207,8 +207,8 @@ class Destination:
     numel: int  # float32 elements of the NEW file's main tensor
     atomic: bool  # rename/replace: torn files are never visible
     real: bool = False  # a real rclone/s3fs mount: old files are planted through it
-    # A new name each trial, no old file, and follow=True: the followed direct write of a new
-    # file, which fills the final name while the writer still writes.
+    # A new name each trial, no old file, and follow=True asked for: a direct save of a new
+    # file is still published only after the writer (direct saves are never followed).
     fresh: bool = False
 
 

@@ -320,14 +320,14 @@ def test_real_safetensors_saves_followed_onto_the_kit(kit_dir, shm_root, caplog)
     dest = kit_dir / "model.safetensors"
     caplog.set_level(logging.DEBUG, logger="safestage")
     with safestage.staged(shm_root, follow=True) as stage:
-        save_file(big, str(dest))  # followed: replace (hdfs), or direct of a new file (mountpoint)
-        save_file({k: v + 1 for k, v in big.items()}, str(dest))  # direct overwrite: not followed
+        save_file(big, str(dest))  # followed: replace (hdfs); direct (mountpoint) never is
+        save_file({k: v + 1 for k, v in big.items()}, str(dest))
     loaded = load_file(str(dest))
     assert all(torch.equal(loaded[k], big[k] + 1) for k in big)
     assert os.listdir(kit_dir) == ["model.safetensors"]
     assert os.listdir(shm_root) == []
     followed = [r for r in caplog.records if "followed (" in r.getMessage()]
-    expected = 2 if stage.records[0].publish == "replace" else 1
+    expected = 2 if stage.records[0].publish == "replace" else 0
     assert len(followed) == expected, [r.getMessage() for r in followed]
     assert [r.publish for r in stage.records] == [stage.records[0].publish] * 2
     assert stage.records[0].publish == ("direct" if "mountpoint" in str(kit_dir) else "replace")
@@ -343,14 +343,9 @@ def test_follow_strategy_decisions(tmp_path, shm_root):
     assert _stage.follow_strategy(off, new, area) is None
     assert _stage.follow_strategy(on, new, area) == "replace"
     direct = safestage.staged(shm_root, follow=True, publish="direct").settings
-    # direct writes the final name: followed only where it is new (created with O_EXCL);
-    # an overwrite is published after the writer (test_review4_findings: a failed followed
-    # direct save over an existing name deleted another save's file).
-    assert _stage.follow_strategy(direct, new, area) == "direct"
+    # direct writes the final name: never followed, it publishes after the writer.
+    assert _stage.follow_strategy(direct, new, area) is None
     assert _stage.follow_strategy(direct, old, area) is None
-    link = tmp_path / "link.safetensors"
-    link.symlink_to(tmp_path / "nowhere")  # a dangling symlink is a name too
-    assert _stage.follow_strategy(direct, link, area) is None
 
 
 def test_a_save_known_to_be_small_is_not_followed(tmp_path, shm_root, caplog):
@@ -408,7 +403,7 @@ def test_a_failed_follow_copy_falls_back_to_a_plain_publish(tmp_path, shm_root, 
     assert os.listdir(shm_root) == []
 
 
-# -- direct of a new file: followed, created with O_EXCL ------------------------------------------
+# -- direct: published after the writer, never followed ------------------------------------------
 
 
 @pytest.fixture(params=["local-direct", "kit-mountpoint"])
@@ -427,25 +422,27 @@ def direct_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple
     shutil.rmtree(Path(mount.backing) / directory.name, ignore_errors=True)
 
 
-def test_followed_direct_save_of_a_new_file_publishes_the_exact_bytes(direct_dir, shm_root, caplog):
+def test_a_direct_save_is_published_after_the_writer_with_the_exact_bytes(direct_dir, shm_root, caplog):
+    """follow=True asks for following, yet a direct save is never followed: the final name
+    is written only once the writer has returned."""
     directory, publish = direct_dir
     dest = directory / "model.safetensors"
+    seen: list[bool] = []
     caplog.set_level(logging.DEBUG, logger="safestage")
     with safestage.staged(shm_root, follow=True, publish=publish) as stage:
-        save_with(stage, slow_writer(), dest)
+        save_with(stage, slow_writer(on_chunk=lambda index: seen.append(os.path.lexists(dest))), dest)
+    assert seen and not any(seen), f"the final name existed while the writer wrote: {seen}"
     assert dest.read_bytes() == expected_bytes()
     assert [r.publish for r in stage.records] == ["direct"]
     assert os.listdir(directory) == ["model.safetensors"]
     assert os.listdir(shm_root) == []
-    followed = [r.getMessage() for r in caplog.records if "direct followed" in r.getMessage()]
-    assert followed, "the save was not followed"
-    assert int(re.search(r"\((\d+) bytes while writing\)", followed[0])[1]) > CHUNK * (CHUNKS // 2)
+    assert not [r.getMessage() for r in caplog.records if "followed (" in r.getMessage()]
 
 
 @pytest.mark.parametrize("fault", ["error", "ctrl-c"])
-def test_followed_direct_writer_failing_leaves_nothing_under_the_new_name(direct_dir, shm_root, fault):
-    """The final name is being written while the writer writes: a writer raising (or a
-    Ctrl-C) mid-file must leave no torn file under it, and no staged copy (nothing is
+def test_a_direct_save_whose_writer_fails_leaves_nothing_under_the_new_name(direct_dir, shm_root, fault):
+    """A writer raising (or a Ctrl-C) mid-file leaves no file under the final name, which
+    a direct save never writes while its writer writes, and no staged copy (nothing is
     complete)."""
     directory, publish = direct_dir
     dest = directory / "model.safetensors"
@@ -453,7 +450,7 @@ def test_followed_direct_writer_failing_leaves_nothing_under_the_new_name(direct
 
     def look(index: int) -> None:
         if index == 3:
-            time.sleep(0.1)  # the follower copies chunks 0-3 into the final name meanwhile
+            time.sleep(0.1)
             seen.append(os.stat(dest).st_size if dest.exists() else -1)
         if fault == "ctrl-c" and index == 4:
             raise KeyboardInterrupt
@@ -461,67 +458,7 @@ def test_followed_direct_writer_failing_leaves_nothing_under_the_new_name(direct
     raised = ValueError if fault == "error" else KeyboardInterrupt
     with safestage.staged(shm_root, follow=True, publish=publish) as stage, pytest.raises(raised):
         save_with(stage, slow_writer(fail_after=5, on_chunk=look), dest)
-    assert seen and seen[0] > 0, f"the final name was not being written when the fault fired: {seen}"
+    assert seen == [-1], f"the final name was written while the writer wrote: {seen}"
     assert os.listdir(directory) == []
     assert os.listdir(shm_root) == []
     assert stage.records == []
-
-
-def test_followed_direct_never_removes_a_file_another_save_put_there(tmp_path, shm_root):
-    """While our followed write fills the new name, another save (another host's, or a
-    replace of this process) renames its complete file over it; then our writer fails. The
-    cleanup removes only the inode we created: the other save's file stays."""
-    directory = tmp_path / "dest"
-    directory.mkdir()
-    dest = directory / "model.safetensors"
-    theirs = directory / "theirs.tmp"
-    replaced: list[bool] = []
-
-    def another_save(index: int) -> None:
-        if index == 3:
-            time.sleep(0.1)
-            assert dest.exists(), "our followed write had not created the name yet"
-            theirs.write_bytes(b"their complete file")
-            os.replace(theirs, dest)
-            replaced.append(True)
-
-    with safestage.staged(shm_root, follow=True, publish="direct") as stage, pytest.raises(ValueError):
-        save_with(stage, slow_writer(fail_after=5, on_chunk=another_save), dest)
-    assert replaced
-    assert dest.read_bytes() == b"their complete file"
-    assert os.listdir(directory) == ["model.safetensors"]
-    assert os.listdir(shm_root) == []
-
-
-@pytest.mark.parametrize("writer_fails", [False, True])
-def test_a_name_that_appears_before_the_followed_open_is_published_after_the_writer(
-    tmp_path, shm_root, monkeypatch, caplog, writer_fails
-):
-    """follow_strategy saw no file; another save publishes one before our publisher's
-    O_EXCL open. That open fails (EEXIST): the save is published the ordinary way once the
-    writer has returned (no WARNING: nothing went wrong), and a writer that fails never
-    touches the other save's file."""
-    directory = tmp_path / "dest"
-    directory.mkdir()
-    dest = directory / "model.safetensors"
-    real = _stage.follow_strategy
-
-    def decide_then_another_save_lands(settings, d, area, needs=None):
-        strategy = real(settings, d, area, needs)
-        d.write_bytes(b"another save")
-        return strategy
-
-    monkeypatch.setattr(safestage._save, "follow_strategy", decide_then_another_save_lands)
-    caplog.set_level(logging.DEBUG, logger="safestage")
-    with safestage.staged(shm_root, follow=True, publish="direct") as stage:
-        if writer_fails:
-            with pytest.raises(ValueError):
-                save_with(stage, slow_writer(fail_after=5), dest)
-        else:
-            save_with(stage, slow_writer(), dest)
-    assert dest.read_bytes() == (b"another save" if writer_fails else expected_bytes())
-    assert any("not followed" in r.getMessage() for r in caplog.records) or writer_fails
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
-    assert [r.publish for r in stage.records] == ([] if writer_fails else ["direct"])
-    assert os.listdir(directory) == ["model.safetensors"]
-    assert os.listdir(shm_root) == []

@@ -1,18 +1,15 @@
 """Review 8: failing tests against the review-7 fixes (7f736a7): the flock that direct
-writers take turns with, forked children closing our descriptors, the held-back chunk of a
-followed copy.
+writers took turns with (gone), forked children closing our descriptors.
 
 Every test here fails on the code under review; each docstring says what the user loses.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -342,70 +339,3 @@ def test_direct_overwrite_on_mountpoint_keeps_a_reader_open_while_opening_the_wr
         f"a read-only descriptor of {dest} was open while its writer was opened ({seen}): "
         "mountpoint-s3 refuses that open with EPERM"
     )
-
-
-def test_retried_unlink_of_a_torn_followed_file_deletes_the_save_that_landed_meanwhile(
-    tmp_path, shm_root
-):
-    """A followed ``direct`` write of a new file whose writer fails is cleaned up by
-    ``_remove_if_ours``: it checks once that the name is still our inode, then
-    ``_unlink_torn`` retries the unlink for a whole second without looking again. The retry
-    exists for a refused unlink (mountpoint answers EPERM while a forked child still holds
-    our descriptor); during that second the name may be published by another save (another
-    process's plain or staged save renames its complete file over it), and the retry
-    deletes that complete file. The other save returned success; its file is gone. Promised:
-    "never deleting or corrupting a file another save published". The refusal is injected
-    (once, for this name only); the other save is real and runs in another process."""
-    import errno
-
-    import safestage
-
-    directory = tmp_path / "dest"
-    directory.mkdir()
-    dest = directory / "model.bin"
-    other = r'''
-import sys
-sys.path.insert(0, {repo!r})
-from pathlib import Path
-import safestage
-with safestage.staged({root!r}, publish="replace") as stage:
-    stage._save(lambda p: open(p, "wb").write(b"OTHER" * 1000), Path({dest!r}))
-'''.format(repo=str(REPO), root=str(shm_root), dest=str(dest))
-    fired: list[int] = []
-    real_unlink = os.unlink
-
-    def refused_once(path, *args, **kwargs):
-        if os.fspath(path) == str(dest) and not fired:
-            fired.append(1)
-            # meanwhile another process's save publishes the name
-            subprocess.run([sys.executable, "-c", other], check=True, timeout=120,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
-            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
-        return real_unlink(path, *args, **kwargs)
-
-    def write(path: str) -> None:
-        target = os.path.join(os.path.dirname(path), ".tmpXyZ123")
-        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, b"\x01" * (1 << 20))
-            deadline = time.monotonic() + 10
-            while not os.path.lexists(dest) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert os.path.lexists(dest), "the followed copy never created the final name"
-            raise ValueError("writer failed")
-        finally:
-            os.close(fd)
-
-    os.unlink = refused_once
-    try:
-        with pytest.raises(ValueError):
-            with safestage.staged(shm_root, publish="direct", follow=True) as stage:
-                stage._save(write, dest)
-    finally:
-        os.unlink = real_unlink
-    assert fired, "the unlink of the torn file was never refused: the scenario did not run"
-    assert dest.exists(), (
-        "the other process's save published its complete file under the name and returned "
-        "success; the failed followed save's retried unlink then deleted it"
-    )
-    assert dest.read_bytes() == b"OTHER" * 1000
