@@ -73,7 +73,7 @@ def test_a_child_forked_while_direct_writes_a_name_ending_in_deleted_keeps_the_w
 
     try:
         with (
-            safestage.staged(shm_root, follow=True, publish="direct") as stage,
+            safestage._api.force_follow(safestage.staged(shm_root, publish="direct")) as stage,
             pytest.raises(ValueError),
         ):
             stage._save(write, dest)
@@ -107,7 +107,7 @@ def slow(path):
             f.write(b"h" * 1024)
             f.flush()
             time.sleep(0.05)
-with safestage.staged(root, publish="direct", follow=True) as stage:
+with safestage._api.force_follow(safestage.staged(root, publish="direct")) as stage:
     stage._save(slow, dest)
 print("HOLDER SAVED", flush=True)
 """

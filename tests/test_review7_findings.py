@@ -77,7 +77,7 @@ def killed_while_abandoning(path, ours):
     os.kill(os.getpid(), signal.SIGKILL)
 
 _publish._unlink_torn = killed_while_abandoning
-with safestage.staged(root, follow=True, publish=publish) as stage:
+with safestage._api.force_follow(safestage.staged(root, publish=publish)) as stage:
     stage._save(write, __import__("pathlib").Path(dest))
 print("RETURNED", flush=True)
 '''
@@ -167,7 +167,7 @@ def test_writer_failing_while_a_fork_holds_the_followed_copy_leaves_nothing(
 
     caplog.set_level(logging.DEBUG, logger="safestage")
     try:
-        with safestage.staged(shm_root, follow=True, publish="direct") as stage, pytest.raises(ValueError):
+        with safestage._api.force_follow(safestage.staged(shm_root, publish="direct")) as stage, pytest.raises(ValueError):
             stage._save(write, dest)
         left = sorted(os.listdir(directory))
         warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -220,7 +220,7 @@ def test_followed_direct_destination_full_error_says_what_happened(small_tmpfs, 
     import safestage
 
     dest = small_tmpfs / "model.safetensors"
-    with safestage.staged(shm_root, follow=True, publish="direct") as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root, publish="direct")) as stage:
         with pytest.raises(safestage.PublishError) as info:
             stage._save(_slow_writer(), dest)
     error = info.value
@@ -247,7 +247,7 @@ def write(path):
 
 import logging
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
-with safestage.staged(sys.argv[1], publish="direct", follow=False) as stage:
+with safestage._api.force_follow(safestage.staged(sys.argv[1], publish="direct"), False) as stage:
     Path(sys.argv[3]).touch()  # about to save
     stage._save(write, Path(sys.argv[2]))
 print("OTHER SAVED", stage.records[-1].strategy, flush=True)
@@ -306,7 +306,7 @@ def test_a_direct_save_from_another_process_during_a_followed_one_ends_in_a_torn
             os.close(fd)
         os.replace(target, path)
 
-    with safestage.staged(shm_root, follow=True, publish="direct") as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root, publish="direct")) as stage:
         stage._save(write, dest)  # returns: success
     assert other
     output, _ = other[0].communicate(timeout=120)

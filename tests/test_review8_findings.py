@@ -399,7 +399,7 @@ with safestage.staged({root!r}, publish="replace") as stage:
     os.unlink = refused_once
     try:
         with pytest.raises(ValueError):
-            with safestage.staged(shm_root, publish="direct", follow=True) as stage:
+            with safestage._api.force_follow(safestage.staged(shm_root, publish="direct")) as stage:
                 stage._save(write, dest)
     finally:
         os.unlink = real_unlink

@@ -67,7 +67,7 @@ def slow(path):
             f.write(b"h" * 1024)
             f.flush()
             time.sleep(0.05)
-with safestage.staged(root, publish="direct", follow=True) as stage:
+with safestage._api.force_follow(safestage.staged(root, publish="direct")) as stage:
     stage._save(slow, dest)
 print("HOLDER SAVED", flush=True)
 '''
@@ -93,7 +93,7 @@ def quick(path):
     with open(path, "wb") as f:
         f.write(b"v" * 4096)
 try:
-    with safestage.staged(root, publish="direct", follow=True) as stage:
+    with safestage._api.force_follow(safestage.staged(root, publish="direct")) as stage:
         stage._save(quick, dest)
 except KeyboardInterrupt:
     print("INTERRUPTED", flush=True)
@@ -327,7 +327,7 @@ def slow(path):
             f.flush()
             time.sleep(0.05)
 def save():
-    with safestage.staged(root, publish="direct", follow=True) as stage:
+    with safestage._api.force_follow(safestage.staged(root, publish="direct")) as stage:
         stage._save(slow, dest)
     print("PARENT SAVED", flush=True)
 thread = threading.Thread(target=save)
