@@ -118,8 +118,6 @@ def run_contender(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         if kind == "safestage":
-            import safestage
-
             stage = _stage_for(spec["root"], spec["options"])
             with stage:
                 run()

@@ -101,6 +101,8 @@ def _removed_variable(name: str, value: str) -> str:
     """What a removed variable set to ``value`` should become."""
     if name == "SAFESTAGE_FOLLOW":
         advice = f"unset it; {_FOLLOW_GONE}"
+    elif name == "SAFESTAGE_MAX_PENDING" and value.lstrip("0") == "1":  # "1" is on (2) there
+        advice = "one file at a time is background=1 in code; SAFESTAGE_BACKGROUND=1 is on, 2 at once"
     elif name == "SAFESTAGE_MAX_PENDING":
         count = value if _is_small_ascii_number(value) else "N"
         advice = f"write SAFESTAGE_BACKGROUND={count} instead (at most {count} files publishing at once)"

@@ -177,7 +177,7 @@ ENV_TEXT = st.one_of(
     st.sampled_from(
         ["", " ", "0", "1", "true", "off", "YES", "2", "64", "65", "-1", "1.5", "\t1\n"]
     ),
-    _variants(PUBLISH_CHOICES + ("always", "auto", "DEBUG", "INFO", "WARNING", "1", "0", "yes", "no")),
+    _variants((*PUBLISH_CHOICES, "always", "auto", "DEBUG", "INFO", "WARNING", "1", "0", "yes", "no")),
 )
 ENVIRONMENTS = st.dictionaries(st.sampled_from(VARIABLES), ENV_TEXT, max_size=len(VARIABLES))
 

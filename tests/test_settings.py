@@ -131,6 +131,7 @@ def test_an_unknown_option_is_the_type_error_python_gives():
     [
         ("SAFESTAGE_FOLLOW", "1", "unset it; following is internal"),
         ("SAFESTAGE_MAX_PENDING", "4", "write SAFESTAGE_BACKGROUND=4 instead"),
+        ("SAFESTAGE_MAX_PENDING", "1", "one file at a time is background=1 in code"),
         ("SAFESTAGE_WHEN", "auto", "write SAFESTAGE_SKIP_LOCAL_DISK=1 instead"),
         ("SAFESTAGE_WHEN", "always", "unset it (staging every save is the default)"),
         ("SAFESTAGE_FSYNC", "0", "pass fsync=False in code"),
