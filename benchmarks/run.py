@@ -109,7 +109,7 @@ CONTENDERS: dict[str, dict[str, Any]] = {
         "kind": "safestage",
         "root": "near",
         "options": {"background": True},
-        "label": "safestage background (max_pending 2), fsync",
+        "label": "safestage background=True (2 at once), fsync",
     },
     "ss-bg-nofsync": {
         "kind": "safestage",
@@ -120,26 +120,26 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "ss-bg-mp1": {
         "kind": "safestage",
         "root": "near",
-        "options": {"background": True, "max_pending": 1},
-        "label": "safestage background max_pending 1, fsync",
+        "options": {"background": 1},
+        "label": "safestage background=1, fsync",
     },
     "ss-bg-mp4": {
         "kind": "safestage",
         "root": "near",
-        "options": {"background": True, "max_pending": 4},
-        "label": "safestage background max_pending 4, fsync",
+        "options": {"background": 4},
+        "label": "safestage background=4, fsync",
     },
     "ss-when-auto": {
         "kind": "safestage",
         "root": "near",
-        "options": {"when": "auto"},
-        "label": "safestage when='auto', fsync",
+        "options": {"skip_local_disk": True},
+        "label": "safestage skip_local_disk=True, fsync",
     },
     "ss-when-auto-nofsync": {
         "kind": "safestage",
         "root": "near",
-        "options": {"when": "auto", "fsync": False},
-        "label": "safestage when='auto', no fsync",
+        "options": {"skip_local_disk": True, "fsync": False},
+        "label": "safestage skip_local_disk=True, no fsync",
     },
     # Issue 13: follow the writer, and the two halves it overlaps (serializing alone into a
     # staging root; the copy ceiling is dd conv=fsync below). "shm" = a root on /dev/shm.
@@ -147,13 +147,13 @@ CONTENDERS: dict[str, dict[str, Any]] = {
         "kind": "safestage",
         "root": "near",
         "options": {"follow": True},
-        "label": "safestage follow=True, fsync",
+        "label": "safestage following forced on, fsync",
     },
     "ss-follow-shm": {
         "kind": "safestage",
         "root": "shm",
         "options": {"follow": True},
-        "label": "safestage follow=True, fsync, root /dev/shm",
+        "label": "safestage following forced on, fsync, root /dev/shm",
     },
     "ss-sync-shm": {
         "kind": "safestage",
@@ -216,7 +216,7 @@ KIT_NOFSYNC = {
     "shards": ["ss-sync-nofsync", "ss-bg-nofsync", "ceiling"],
     "tiny": [],
 }
-PARALLEL = ["ss-bg-mp1", "ss-bg-mp4"]  # with ss-bg (max_pending 2): shards into slow and hdfs
+PARALLEL = ["ss-bg-mp1", "ss-bg-mp4"]  # with ss-bg (background=True: 2): shards into slow and hdfs
 # Issue 13, one 1 GiB file onto hdfs and slow: follow against its two halves, and the default
 # with the root on /dev/shm (the staging-root question).
 KIT_FOLLOW = ["ss-follow", "ss-follow-shm", "ss-sync-shm", "serialize-disk", "serialize-shm"]

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional, Union
 
 from . import _background, _config, _patch, _save
-from ._config import UNSET, PathArg, Settings
+from ._config import PathArg, Publish, Settings
 from ._errors import as_safetensors_error
 from ._stage import PublishRecord
 
@@ -167,7 +168,7 @@ class Stage(contextlib.ContextDecorator):
         return (
             f"<safestage.Stage {self._state} root={str(self.staging_root)!r} "
             f"publish={self.settings.publish!r} fsync={self.settings.fsync} "
-            f"torch_save={self.settings.torch_save} follow={self.settings.follow} "
+            f"background={self.settings.background} torch_save={self.settings.torch_save} "
             f"records={len(self.records)}>"
         )
 
@@ -175,41 +176,37 @@ class Stage(contextlib.ContextDecorator):
 def staged(
     root: Optional[PathArg] = None,
     *,
-    publish: Any = UNSET,
-    fsync: Any = UNSET,
-    background: Any = UNSET,
-    max_pending: Any = UNSET,
-    when: Any = UNSET,
-    torch_save: Any = UNSET,
-    follow: Any = UNSET,
+    publish: Optional[Publish] = None,
+    fsync: bool = True,
+    background: Union[bool, int, None] = None,
+    skip_local_disk: Optional[bool] = None,
+    torch_save: Optional[bool] = None,
+    **removed: NoReturn,
 ) -> Stage:
     """Stage every safetensors save made inside the block (or the decorated function).
 
     ``root`` is a local directory to serialize into (default: SAFESTAGE_DIR, else
     $TMPDIR/safestage-<uid>). ``publish`` is "auto", "replace" or "direct"; ``fsync``
     flushes each published file to stable storage. ``background=True`` returns from each
-    save once it is staged and publishes on worker threads, at most ``max_pending`` files at
-    once; the block's end waits for them. ``when="auto"`` writes destinations on local disk
-    directly (no staging) and stages the rest. ``torch_save=True`` also stages
-    ``torch.save(obj, path)`` (file objects pass through); it patches ``torch.save`` while the
-    block runs. By default (``follow=None``, "auto") a synchronous ``replace`` save of a
-    safetensors file of 64 MiB or more is copied while the writer is still writing it,
-    checked by CRC-32 before it is committed (README, "One big file: following the writer");
-    ``follow=True`` also follows saves of unknown size (torch.save), ``follow=False`` none.
-    Arguments beat SAFESTAGE_* variables.
-    Options are checked here (ConfigError); the staging root when the block starts
-    (StagingError).
+    save once it is staged and publishes on worker threads, at most 2 files at once
+    (``background=N``: at most N); the block's end waits for them. ``skip_local_disk=True``
+    writes destinations on local disk with the original writer (no staging) and stages the
+    rest. ``torch_save=True`` also stages ``torch.save(obj, path)`` (file objects pass
+    through); it patches ``torch.save`` while the block runs. A synchronous ``replace`` save
+    of a safetensors file of 64 MiB or more is copied while the writer is still writing it,
+    checked by CRC-32 before it is committed. None means SAFESTAGE_* variable, else default.
+    Options are checked here (ConfigError, also for the names removed in 0.2: follow=,
+    max_pending=, when=); the staging root when the block starts (StagingError).
     """
+    _config.reject_removed(removed, "safestage.staged")
     return Stage(
         _config.resolve(
             root=root,
             publish=publish,
             fsync=fsync,
             background=background,
-            max_pending=max_pending,
-            when=when,
+            skip_local_disk=skip_local_disk,
             torch_save=torch_save,
-            follow=follow,
         )
     )
 
@@ -217,25 +214,30 @@ def staged(
 def activate(
     root: Optional[PathArg] = None,
     *,
-    publish: Any = UNSET,
-    fsync: Any = UNSET,
-    background: Any = UNSET,
-    max_pending: Any = UNSET,
-    when: Any = UNSET,
-    torch_save: Any = UNSET,
-    follow: Any = UNSET,
+    publish: Optional[Publish] = None,
+    fsync: bool = True,
+    background: Union[bool, int, None] = None,
+    skip_local_disk: Optional[bool] = None,
+    torch_save: Optional[bool] = None,
+    **removed: NoReturn,
 ) -> Stage:
     """Like ``staged()``, already entered: call ``.close()`` on the handle to end it."""
+    _config.reject_removed(removed, "safestage.activate")
     return staged(
         root,
         publish=publish,
         fsync=fsync,
         background=background,
-        max_pending=max_pending,
-        when=when,
+        skip_local_disk=skip_local_disk,
         torch_save=torch_save,
-        follow=follow,
     )._open()
+
+
+def force_follow(stage: Stage, follow: Optional[bool] = True) -> Stage:
+    """Internal seam for tests and benchmarks, in no public signature: a new Stage like
+    ``stage`` with following forced on (True: also saves of unknown size), off (False) or
+    automatic (None, the default of every public entry)."""
+    return Stage(dataclasses.replace(stage.settings, follow=follow))
 
 
 def wait() -> None:
@@ -249,8 +251,8 @@ def staged_file(
     dest: PathArg,
     root: Optional[PathArg] = None,
     *,
-    publish: Any = UNSET,
-    fsync: Any = UNSET,
+    publish: Optional[Publish] = None,
+    fsync: bool = True,
 ) -> Iterator[Path]:
     """Yield a local path for any writer; publish it to ``dest`` when the block succeeds.
 

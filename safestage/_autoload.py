@@ -2,8 +2,10 @@
 
 Cheap and quiet: nothing heavy is imported here. Activation registers wrapt post-import
 hooks, so the patch lands when the program first imports safetensors.torch (or at once if
-it already has). It never raises: a bad variable, a missing staging root or a broken
-install gives one WARNING naming the variable, saves stay unstaged, the program runs on.
+it already has). It never raises: a bad or removed variable, a missing staging root or a
+broken install writes ONE line on stderr naming the variable, its value and what to write
+instead (whether or not the program configures logging: running unstaged on a hostile
+mount is a lost save), logs the same as a WARNING record, and the program runs on unstaged.
 Idempotent: a .pth can run twice (site.addsitedir on the same directory), and forked
 children inherit the parent's activation.
 """
@@ -35,13 +37,27 @@ _stage: Optional[Stage] = None
 _started = False
 
 
+_PRINTED = "safestage_printed"  # a record whose line _not_staged already wrote on stderr
+
+
 class _StderrUnlessConfigured(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to stderr only while the program has not configured logging itself, so
     warnings from the start-up hook are seen but never printed twice."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not logging.getLogger().handlers:
+        if not logging.getLogger().handlers and not getattr(record, _PRINTED, False):
             super().emit(record)
+
+
+def _not_staged(message: str) -> None:
+    """Staging stays off in this process: one line on stderr, the same as a log record."""
+    text = f"{message}; safetensors saves in this process are not staged".replace("\n", " ")
+    try:
+        sys.stderr.write(f"safestage: WARNING: {text}\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # no stderr (pythonw), or closed
+        pass
+    log.warning("%s", text, extra={_PRINTED: True})
 
 
 def _configure_logging(environ: Mapping[str, str]) -> None:
@@ -91,17 +107,13 @@ def start_from_environment(environ: Optional[Mapping[str, str]] = None) -> Optio
         except StagingError as exc:
             where = env_value(env, ENV_DIR)
             source = f"{ENV_DIR}={where!r}" if where else f"{ENV_SWITCH}=1 (default root)"
-            log.warning("%s: %s Safetensors saves in this process are not staged.", source, exc)
+            _not_staged(f"{source}: {str(exc).rstrip('.')}")
             return None
         except SafestageError as exc:
-            log.warning("%s; safetensors saves in this process are not staged", exc)
+            _not_staged(str(exc))
             return None
         except Exception as exc:  # broken install, unexpected platform: never break start-up
-            log.warning(
-                "activation from the environment failed (%r); safetensors saves in this "
-                "process are not staged",
-                exc,
-            )
+            _not_staged(f"activation from the environment failed ({exc!r})")
             return None
         log.debug("staging on from the environment: %r", _stage)
         return _stage

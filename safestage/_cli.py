@@ -36,12 +36,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import __version__
 from ._config import (
+    ENV_BACKGROUND,
     ENV_DIR,
-    ENV_FSYNC,
     ENV_PUBLISH,
+    ENV_SKIP_LOCAL_DISK,
     ENV_SWITCH,
     ENV_TORCH_SAVE,
     env_value,
+    parse_background,
     parse_publish,
     parse_root,
     resolve,
@@ -91,6 +93,13 @@ def _publish_argument(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _background_argument(value: str) -> int:
+    try:
+        return parse_background(value, "--background")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _seconds_argument(value: str) -> float:
     try:
         seconds = float(value)
@@ -128,20 +137,24 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="run a command with staging switched on through the environment",
         description="Run CMD with SAFESTAGE=1 and the given SAFESTAGE_DIR, SAFESTAGE_PUBLISH, "
-        "SAFESTAGE_FSYNC, SAFESTAGE_TORCH_SAVE in its environment; the start-up hook of its "
-        "Python activates staging.",
+        "SAFESTAGE_BACKGROUND, SAFESTAGE_SKIP_LOCAL_DISK, SAFESTAGE_TORCH_SAVE in its environment; "
+        "the start-up hook of its Python activates staging.",
     )
     run.add_argument("--dir", metavar="D", type=_root_argument, help="staging root (SAFESTAGE_DIR)")
     run.add_argument("--publish", metavar="P", type=_publish_argument,
                      help="auto, replace or direct (SAFESTAGE_PUBLISH)")  # fmt: skip
-    run.add_argument(
-        "--no-fsync", action="store_true", help="do not fsync published files (SAFESTAGE_FSYNC=0)"
-    )
+    run.add_argument("--background", metavar="N", type=_background_argument,
+                     help="publish on worker threads while CMD goes on: 0 off, 1 on (2 files at "
+                     "once), N at most N at once (SAFESTAGE_BACKGROUND)")  # fmt: skip
+    run.add_argument("--skip-local-disk", action="store_true",
+                     help="write local-disk destinations unstaged (SAFESTAGE_SKIP_LOCAL_DISK=1)")  # fmt: skip
     run.add_argument(
         "--torch-save",
         action="store_true",
         help="also stage torch.save(obj, path) (SAFESTAGE_TORCH_SAVE=1)",
     )
+    # Removed in 0.2 with SAFESTAGE_FSYNC: turning durability off is a decision made in code.
+    run.add_argument("--no-fsync", action="store_true", help=argparse.SUPPRESS)
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
     run.set_defaults(handler=_run)
 
@@ -438,11 +451,18 @@ def _run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         return _usage_error("run", "no command given: safestage run [options] -- CMD ARGS...")
+    if args.no_fsync:
+        return _usage_error(
+            "run",
+            "--no-fsync is removed in safestage 0.2 (with SAFESTAGE_FSYNC): turning durability "
+            "off is a decision made in code, pass fsync=False to safestage.staged()",
+        )
     env = child_environment(
         os.environ,
         root=args.dir,
         publish=args.publish,
-        fsync=not args.no_fsync,
+        background=args.background,
+        skip_local_disk=args.skip_local_disk,
         torch_save=args.torch_save,
     )
     try:
@@ -467,7 +487,8 @@ def child_environment(
     *,
     root: Optional[Path],
     publish: Optional[str],
-    fsync: bool,
+    background: Optional[int] = None,
+    skip_local_disk: bool = False,
     torch_save: bool = False,
 ) -> dict[str, str]:
     """The parent's environment with staging switched on. SAFESTAGE=1 also with --dir: an
@@ -478,8 +499,10 @@ def child_environment(
         env[ENV_DIR] = str(root)
     if publish is not None:
         env[ENV_PUBLISH] = publish
-    if not fsync:
-        env[ENV_FSYNC] = "0"
+    if background is not None:
+        env[ENV_BACKGROUND] = str(background)
+    if skip_local_disk:
+        env[ENV_SKIP_LOCAL_DISK] = "1"
     if torch_save:
         env[ENV_TORCH_SAVE] = "1"
     return env
@@ -587,7 +610,7 @@ def status_report(environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]
         report["error"] = str(exc)
         return report
     report["settings"] = {
-        **asdict(settings),  # every option, also those added later
+        **{k: v for k, v in asdict(settings).items() if k != "follow"},  # every public option
         "root": str(settings.staging_root()),
         "root_source": ENV_DIR if env_value(env, ENV_DIR) is not None else "default",
     }
@@ -644,6 +667,8 @@ def _settings_text(settings: Optional[Mapping[str, Any]]) -> str:
     return (
         f"root {settings['root']} ({settings['root_source']}), publish {settings['publish']}, "
         f"fsync {'on' if settings['fsync'] else 'off'}, "
+        f"background {settings['background'] or 'off'}, "
+        f"local disk {'unstaged' if settings['skip_local_disk'] else 'staged'}, "
         f"torch.save {'staged' if settings['torch_save'] else 'not staged'}"
     )
 

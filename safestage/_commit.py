@@ -11,8 +11,8 @@ looks complete and is not, and no destination we serve can fix that with a direc
 2. on success, the destination's commit file is removed first, so that a commit killed
    half-way can never leave an old commit file vouching for a mix of old and new files;
 3. every file is published by ``_publish.publish_file`` (rename / replace / direct, size
-   verified, modes as for every save), ``max_pending`` at once, its CRC-32 computed while it
-   is copied;
+   verified, modes as for every save), ``background`` files at once (default 2), its CRC-32
+   computed while it is copied;
 4. the commit file (``_manifest``) is published last, atomically where the destination can
    rename (replace), direct where it cannot (an object store shows it only once complete).
 
@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Optional
+from typing import Callable, NoReturn, Optional, Union
 
 from . import _config, _patch, _save
-from ._config import UNSET, PathArg, Settings
+from ._config import BACKGROUND_ON, PathArg, Publish, Settings
 from ._errors import PublishError
 from ._interrupts import deferred
 from ._lifecycle import start_worker
@@ -190,7 +190,7 @@ class StagedDir:
     def _publish_files(
         self, tree: _Tree, local: Path, published: dict[str, Published], created: set[Path]
     ) -> None:
-        """Publish every file, largest first, on ``max_pending`` threads. After a failure no
+        """Publish every file, largest first, on ``settings.background`` threads (at least one). After a failure no
         new file starts and those in flight finish; after an interrupt those in flight stop
         too (at their next chunk), and no worker takes another file: nothing is copied once
         this has returned or raised.
@@ -204,7 +204,7 @@ class StagedDir:
         work = _Work(order, _digest_factory)
         interrupt: Optional[BaseException] = None
         try:
-            for index in range(min(self.settings.max_pending, len(order))):
+            for index in range(min(max(self.settings.background, 1), len(order))):
                 start_worker(
                     functools.partial(work.run, self._publish_one, local, created),
                     name=f"safestage-commit-{index}",
@@ -363,9 +363,10 @@ def staged_dir(
     dest: PathArg,
     root: Optional[PathArg] = None,
     *,
-    publish: Any = UNSET,
-    fsync: Any = UNSET,
-    max_pending: Any = UNSET,
+    publish: Optional[Publish] = None,
+    fsync: bool = True,
+    background: Union[bool, int, None] = None,
+    **removed: NoReturn,
 ) -> StagedDir:
     """Write a whole checkpoint directory locally; commit it to ``dest`` when the block succeeds.
 
@@ -376,14 +377,18 @@ def staged_dir(
     ``local`` is a fresh directory under the staging root ``root`` (default SAFESTAGE_DIR,
     else $TMPDIR/safestage-<uid>); write anything into it, subdirectories too. When the
     block returns, ``dest``'s commit file is removed, every file is published (``publish``,
-    ``fsync`` as for every save; ``max_pending`` files at once), then the commit file
+    ``fsync`` as for every save; ``background`` files at once on worker threads: True or
+    by default 2, N at most N, False one at a time), then the commit file
     ``_SAFESTAGE_COMMIT.json`` is written last. ``dest`` is created if missing (its parent
     must exist). If the block raises, nothing is published and ``local`` is removed. If a
     publish fails, PublishError says which files landed; no commit file is written and the
     local copy is kept. Options are checked here (ConfigError), ``dest`` and the staging
     root when the block starts.
     """
-    settings = _config.resolve(root=root, publish=publish, fsync=fsync, max_pending=max_pending)
+    _config.reject_removed(removed, "safestage.staged_dir")
+    settings = _config.resolve(
+        root=root, publish=publish, fsync=fsync, background=background, background_default=BACKGROUND_ON
+    )
     return StagedDir(dest, settings)
 
 

@@ -2,46 +2,38 @@
 
 Validation errors say where the bad value came from ("... from SAFESTAGE_PUBLISH"), the
 habit pytest-timeout taught: a typo in a launcher script must be findable from the message.
+The names removed in 0.2 raise ConfigError naming what to write instead.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Literal, Optional, Union, cast
 
 from ._errors import ConfigError
 from ._paths import absolute
 
 PathArg = Union[str, "os.PathLike[str]"]
+Publish = Literal["auto", "replace", "direct"]
 
-PUBLISH_CHOICES = ("auto", "replace", "direct")
+PUBLISH_CHOICES: tuple[Publish, ...] = ("auto", "replace", "direct")
 
 ENV_SWITCH = "SAFESTAGE"  # "1" on with the default root, "0" off even if SAFESTAGE_DIR is set
 ENV_DIR = "SAFESTAGE_DIR"
 ENV_PUBLISH = "SAFESTAGE_PUBLISH"
-ENV_FSYNC = "SAFESTAGE_FSYNC"
-ENV_LOG_LEVEL = "SAFESTAGE_LOG_LEVEL"
 ENV_BACKGROUND = "SAFESTAGE_BACKGROUND"
-ENV_MAX_PENDING = "SAFESTAGE_MAX_PENDING"
-ENV_WHEN = "SAFESTAGE_WHEN"
+ENV_SKIP_LOCAL_DISK = "SAFESTAGE_SKIP_LOCAL_DISK"
 ENV_TORCH_SAVE = "SAFESTAGE_TORCH_SAVE"
-ENV_FOLLOW = "SAFESTAGE_FOLLOW"
+ENV_LOG_LEVEL = "SAFESTAGE_LOG_LEVEL"
 
-WHEN_CHOICES = ("always", "auto")
+BACKGROUND_ON = 2  # background=True: files publishing at once (benchmarks/README.md)
+MAX_BACKGROUND = 64
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Any = _Unset()
 
 
 @dataclass(frozen=True)
@@ -49,17 +41,19 @@ class Settings:
     """What one activation does. ``root=None`` means the per-user default root."""
 
     root: Optional[Path] = None
-    publish: str = "auto"
+    publish: Publish = "auto"
     fsync: bool = True
-    background: bool = False  # publish on worker threads while the caller goes on
-    max_pending: int = 2  # background: files publishing at once; the caller waits beyond it
-    when: str = "always"  # "auto": local-disk destinations use the original writer unstaged
-    # Also stage torch.save(obj, path): a patch of a torch module global, so opt-in (README).
+    # Files publishing at once on worker threads while the caller goes on; the saving thread
+    # waits beyond it. 0: every save publishes before it returns.
+    background: int = 0
+    skip_local_disk: bool = False  # local-disk destinations: the original writer, unstaged
+    # Also stage torch.save(obj, path): a patch of a torch module global, so opt-in.
     torch_save: bool = False
-    # Synchronous replace saves: publish while the writer is still writing (_follow). None
-    # (the default, "auto"): safetensors saves known to be big; True: also saves of unknown
-    # size (torch.save); False: never. Chosen from two benchmark runs (README, issue 13).
-    follow: Optional[bool] = None
+    # Internal, in no public signature: synchronous replace saves publish while the writer is
+    # still writing (_follow). None ("auto"): safetensors saves known to be big; True: also
+    # saves of unknown size (torch.save); False: never. Tests set it with
+    # dataclasses.replace(settings, follow=...) (see safestage._api.Stage).
+    follow: Optional[bool] = field(default=None, repr=False)
 
     def staging_root(self) -> Path:
         return self.root if self.root is not None else default_root()
@@ -84,14 +78,75 @@ def env_value(environ: Mapping[str, str], name: str) -> Optional[str]:
     return value.strip()
 
 
-def parse_publish(value: object, source: str) -> str:
+# -- names removed in 0.2 ----------------------------------------------------------------------
+
+_FOLLOW_GONE = (
+    "following is internal since safestage 0.2 (synchronous replace saves of safetensors "
+    "files of 64 MiB or more are followed)"
+)
+
+
+def _removed_option(name: str, value: object) -> str:
+    if name == "follow":
+        return f"follow= is removed: drop it; {_FOLLOW_GONE}"
+    if name == "max_pending":
+        count = value if isinstance(value, int) and not isinstance(value, bool) else "N"
+        return f"max_pending= is removed: write background={count} (at most {count} files publishing at once)"
+    if value == "always":
+        return "when= is removed: drop it (staging every save is the default)"
+    return "when= is removed: write skip_local_disk=True (for when='auto')"
+
+
+def _removed_variable(name: str, value: str) -> str:
+    """What a removed variable set to ``value`` should become."""
+    if name == "SAFESTAGE_FOLLOW":
+        advice = f"unset it; {_FOLLOW_GONE}"
+    elif name == "SAFESTAGE_MAX_PENDING" and value.lstrip("0") == "1":  # "1" is on (2) there
+        advice = "one file at a time is background=1 in code; SAFESTAGE_BACKGROUND=1 is on, 2 at once"
+    elif name == "SAFESTAGE_MAX_PENDING":
+        count = value if _is_small_ascii_number(value) else "N"
+        advice = f"write SAFESTAGE_BACKGROUND={count} instead (at most {count} files publishing at once)"
+    elif name == "SAFESTAGE_WHEN" and value.lower() == "always":
+        advice = "unset it (staging every save is the default)"
+    elif name == "SAFESTAGE_WHEN":
+        advice = "write SAFESTAGE_SKIP_LOCAL_DISK=1 instead (for auto)"
+    else:  # SAFESTAGE_FSYNC
+        advice = "unset it; to turn durability off, pass fsync=False in code (a decision made in code)"
+    return f"{name}={value!r} is removed in safestage 0.2: {advice}"
+
+
+REMOVED_OPTIONS = ("follow", "max_pending", "when")
+REMOVED_VARIABLES = ("SAFESTAGE_FOLLOW", "SAFESTAGE_MAX_PENDING", "SAFESTAGE_WHEN", "SAFESTAGE_FSYNC")
+
+
+def reject_removed(options: Mapping[str, object], where: str) -> None:
+    """``options`` are the keyword arguments a public function did not declare: a removed
+    name raises ConfigError naming its replacement; any other name the TypeError Python
+    gives for an unexpected keyword argument."""
+    for name, value in options.items():
+        if name in REMOVED_OPTIONS:
+            raise ConfigError(f"{where}: {_removed_option(name, value)}")
+        raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
+
+
+def _check_removed_variables(environ: Mapping[str, str]) -> None:
+    for name in REMOVED_VARIABLES:
+        value = env_value(environ, name)
+        if value is not None:
+            raise ConfigError(_removed_variable(name, value))
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+def parse_publish(value: object, source: str) -> Publish:
     if not isinstance(value, str) or value.strip().lower() not in PUBLISH_CHOICES:
         raise ConfigError(
             f"publish={value!r} from {source} is not one of {', '.join(PUBLISH_CHOICES)}: "
             "'auto' (replace, or direct where the destination cannot rename), "
             "'replace' (temp file + os.replace) or 'direct' (write the final name, for object stores)"
         )
-    return value.strip().lower()
+    return cast(Publish, value.strip().lower())
 
 
 def parse_bool(value: object, source: str, option: str) -> bool:
@@ -102,21 +157,29 @@ def parse_bool(value: object, source: str, option: str) -> bool:
     raise ConfigError(f"{option}={value!r} from {source} is not a boolean: use 1 or 0")
 
 
-def parse_when(value: object, source: str) -> str:
-    if not isinstance(value, str) or value.strip().lower() not in WHEN_CHOICES:
-        raise ConfigError(
-            f"when={value!r} from {source} is not one of {', '.join(WHEN_CHOICES)}: 'always' "
-            "stages every save, 'auto' writes local-disk destinations directly and stages the rest"
-        )
-    return value.strip().lower()
-
-
-def parse_count(value: object, source: str, option: str) -> int:
-    if isinstance(value, str) and _is_small_ascii_number(value.strip()):
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-        raise ConfigError(f"{option}={value!r} from {source} is not a whole number from 1 to 64")
-    return value
+def parse_background(value: object, source: str) -> int:
+    """Files publishing at once: True (and "1", "yes", ...) is BACKGROUND_ON, False (and "0")
+    is 0, a whole number N from 1 to 64 is N. In a variable "1" means on, as for every
+    boolean variable; the argument ``background=1`` means one file at a time."""
+    if isinstance(value, bool):
+        return BACKGROUND_ON if value else 0
+    count = value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE | _FALSE:
+            return BACKGROUND_ON if text in _TRUE else 0
+        if _is_small_ascii_number(text):
+            count = int(text)
+    if isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= MAX_BACKGROUND:
+        return count
+    if source.startswith("SAFESTAGE"):
+        advice = f"use 0 (off), 1 (on: {BACKGROUND_ON} files at once) or N (at most N at once)"
+    else:
+        advice = f"use False, True ({BACKGROUND_ON} files at once) or N (at most N at once)"
+    raise ConfigError(
+        f"background={value!r} from {source} is not a boolean or a whole number from 0 to "
+        f"{MAX_BACKGROUND}: {advice}"
+    )
 
 
 def _is_small_ascii_number(text: str) -> bool:
@@ -143,75 +206,60 @@ def parse_root(value: object, source: str) -> Path:
 
 def resolve(
     *,
-    root: Any = UNSET,
-    publish: Any = UNSET,
-    fsync: Any = UNSET,
-    background: Any = UNSET,
-    max_pending: Any = UNSET,
-    when: Any = UNSET,
-    torch_save: Any = UNSET,
-    follow: Any = UNSET,
+    root: object = None,
+    publish: object = None,
+    fsync: object = True,
+    background: object = None,
+    skip_local_disk: object = None,
+    torch_save: object = None,
     environ: Optional[Mapping[str, str]] = None,
+    background_default: int = 0,
 ) -> Settings:
-    """Merge explicit arguments over the environment over the defaults.
-
-    ``root=None`` counts as not given (the environment or the default root applies).
-    """
+    """Merge explicit arguments over the environment over the defaults. None counts as not
+    given. Values are checked here too: callers without a type checker pass anything.
+    ``background_default``: staged_dir's commit publishes BACKGROUND_ON files at once."""
     env = os.environ if environ is None else environ
+    _check_removed_variables(env)
 
-    if root is UNSET or root is None:
+    if root is None:
         env_root = env_value(env, ENV_DIR)
         resolved_root = parse_root(env_root, ENV_DIR) if env_root is not None else None
     else:
         resolved_root = parse_root(root, "the root argument")
 
-    if publish is UNSET:
+    if publish is None:
         env_publish = env_value(env, ENV_PUBLISH)
         resolved_publish = parse_publish(env_publish, ENV_PUBLISH) if env_publish else "auto"
     else:
         resolved_publish = parse_publish(publish, "the publish argument")
 
+    if not isinstance(fsync, bool):
+        raise ConfigError(f"fsync={fsync!r} from the fsync argument is not a bool")
+
+    if background is None:
+        env_background = env_value(env, ENV_BACKGROUND)
+        resolved_background = (
+            parse_background(env_background, ENV_BACKGROUND)
+            if env_background is not None
+            else background_default
+        )
+    else:
+        resolved_background = parse_background(background, "the background argument")
+
     return Settings(
         root=resolved_root,
         publish=resolved_publish,
-        fsync=_flag(fsync, "fsync", env, ENV_FSYNC, default=True),
-        background=_flag(background, "background", env, ENV_BACKGROUND, default=False),
-        max_pending=(
-            parse_count(max_pending, "the max_pending argument", "max_pending")
-            if max_pending is not UNSET
-            else parse_count(env_value(env, ENV_MAX_PENDING) or "2", ENV_MAX_PENDING, "max_pending")
-        ),
-        when=(
-            parse_when(when, "the when argument")
-            if when is not UNSET
-            else parse_when(env_value(env, ENV_WHEN) or "always", ENV_WHEN)
-        ),
-        torch_save=_flag(torch_save, "torch_save", env, ENV_TORCH_SAVE, default=False),
-        follow=_follow(follow, env),
+        fsync=fsync,
+        background=resolved_background,
+        skip_local_disk=_flag(skip_local_disk, "skip_local_disk", env, ENV_SKIP_LOCAL_DISK),
+        torch_save=_flag(torch_save, "torch_save", env, ENV_TORCH_SAVE),
     )
 
 
-def _follow(value: Any, env: Mapping[str, str]) -> Optional[bool]:
-    """None ("auto", the default) follows the safetensors saves known to be big; True and
-    False as given. SAFESTAGE_FOLLOW takes 1, 0 or auto."""
+def _flag(value: object, option: str, env: Mapping[str, str], variable: str) -> bool:
     if value is None:
-        return None
-    if value is UNSET:
-        text = env_value(env, ENV_FOLLOW)
-        if text is None or text.strip().lower() == "auto":
-            return None
-        if text.strip().lower() not in _TRUE | _FALSE:
-            raise ConfigError(f"follow={text!r} from {ENV_FOLLOW} is not a boolean or auto: use 1, 0 or auto")
-        return parse_bool(text, ENV_FOLLOW, "follow")
-    if not isinstance(value, bool):
-        raise ConfigError(f"follow={value!r} from the follow argument is not a bool or None (auto)")
-    return value
-
-
-def _flag(value: Any, option: str, env: Mapping[str, str], variable: str, *, default: bool) -> bool:
-    if value is UNSET:
         text = env_value(env, variable)
-        return parse_bool(text, variable, option) if text is not None else default
+        return parse_bool(text, variable, option) if text is not None else False
     if not isinstance(value, bool):
         raise ConfigError(f"{option}={value!r} from the {option} argument is not a bool")
     return value

@@ -12,11 +12,11 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from . import _config, _save
 from ._commit import _version, invalidate, publish_manifest
-from ._config import UNSET, PathArg
+from ._config import PathArg, Publish
 from ._errors import PublishError
 from ._manifest import COMMIT_NAME, Crc32, FileEntry, Manifest, new_manifest, unsafe_path
 from ._names import is_writer_temp, parse_temp_name
@@ -32,8 +32,8 @@ def commit_in_place(
     directory: PathArg,
     root: Optional[PathArg] = None,
     *,
-    publish: Any = UNSET,
-    fsync: Any = UNSET,
+    publish: Optional[Publish] = None,
+    fsync: bool = True,
 ) -> Manifest:
     """Commit a checkpoint directory that another writer has already filled at its
     destination (the transformers Trainer writing ``checkpoint-N``, one process per rank):

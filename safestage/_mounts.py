@@ -136,7 +136,7 @@ def is_local_disk(directory: Path) -> bool:
 
     Cached per device only for block devices (major != 0): anonymous devices (tmpfs,
     overlay, every FUSE mount) get their numbers reused as soon as a mount goes, so a
-    verdict cached for one could be applied to a FUSE mount made later (when="auto" would
+    verdict cached for one could be applied to a FUSE mount made later (skip_local_disk=True would
     then write an object store unstaged). Those are looked up each time (~0.1 ms).
     """
     device = os.stat(directory).st_dev

@@ -149,7 +149,7 @@ def plan(
         # Into staged_dir's local directory or staged_file's path: staging already, and its
         # owner publishes it (staging it again would publish after the owner had committed).
         return "unstaged"
-    if settings.when == "auto" and is_local_disk(dest.parent):
+    if settings.skip_local_disk and is_local_disk(dest.parent):
         return "unstaged"
     if settings.background and _background.may_defer(owner):
         return "background"
@@ -229,7 +229,7 @@ def publish(
         return
     try:
         _background.publisher().submit(
-            job, copy.dest, max_pending=settings.max_pending, owner=owner, kept=copy.path
+            job, copy.dest, max_pending=settings.background, owner=owner, kept=copy.path
         )
     except BaseException as exc:  # Ctrl-C while waiting for a slot: keep and name the copy
         keep_unpublished(copy, exc)

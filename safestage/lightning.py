@@ -29,10 +29,10 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional, Union
 
 from . import _background, _config, _patch, _save
-from ._config import UNSET, PathArg
+from ._config import PathArg, Publish
 from ._paths import resolve_destination
 from ._stage import PublishRecord
 
@@ -51,7 +51,7 @@ __all__ = ["StagedCheckpointIO"]
 class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
     """Save each checkpoint into a private local staging directory, then publish it.
 
-    ``root``, ``publish``, ``fsync``, ``background`` and ``max_pending`` mean what they mean
+    ``root``, ``publish``, ``fsync`` and ``background`` mean what they mean
     for ``safestage.staged()`` (argument > SAFESTAGE_* variable > default); the root is checked
     here (StagingError). ``checkpoint_io`` (default: Lightning's ``TorchCheckpointIO``) loads
     and removes checkpoints, and saves those that are not local paths. With the default, a
@@ -60,8 +60,8 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
     file itself.
 
     ``background=True``: ``save_checkpoint`` returns once the checkpoint is complete in the
-    staging root and publishes it on safestage's background publisher (at most
-    ``max_pending`` at once). Removing a checkpoint waits for its publish, so
+    staging root and publishes it on safestage's background publisher (2 at once;
+    ``background=N``: at most N). Removing a checkpoint waits for its publish, so
     ModelCheckpoint's top-k removal stays in order. A failed publish is raised by the next
     ``save_checkpoint``, by ``teardown()`` (the Trainer calls it when fit ends) or by
     ``safestage.wait()`` (with Fabric, which has no teardown). A forked child's saves publish
@@ -77,16 +77,15 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self,
         root: Optional[PathArg] = None,
         *,
-        publish: Any = UNSET,
-        fsync: Any = UNSET,
-        background: Any = UNSET,
-        max_pending: Any = UNSET,
+        publish: Optional[Publish] = None,
+        fsync: bool = True,
+        background: Union[bool, int, None] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
+        **removed: NoReturn,
     ) -> None:
         super().__init__()
-        self.settings = _config.resolve(
-            root=root, publish=publish, fsync=fsync, background=background, max_pending=max_pending
-        )
+        _config.reject_removed(removed, "StagedCheckpointIO")
+        self.settings = _config.resolve(root=root, publish=publish, fsync=fsync, background=background)
         _save.staging_root(self.settings, opening=True)  # a bad root fails here; checked once per process
         self.checkpoint_io: CheckpointIO = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
         self.records: list[PublishRecord] = []

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
-from ._config import UNSET, PathArg
+from ._config import PathArg, Publish
 from ._manifest import Manifest
 
 __all__ = ["CommitCallback"]
@@ -60,8 +60,8 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         self,
         root: Optional[PathArg] = None,
         *,
-        publish: Any = UNSET,
-        fsync: Any = UNSET,
+        publish: Optional[Publish] = None,
+        fsync: bool = True,
     ) -> None:
         from . import _config
 
@@ -134,10 +134,9 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         (this step was committed by an earlier run) goes first, then every rank may write."""
         if args.should_save:
             from ._commit import invalidate
-            from ._config import resolve
 
             checkpoint = self._checkpoint(args, state)
-            if checkpoint.is_dir() and invalidate(checkpoint, fsync=resolve(fsync=self._fsync).fsync):
+            if checkpoint.is_dir() and invalidate(checkpoint, fsync=self._fsync):
                 log.info("%s is being rewritten: its commit file was removed first", checkpoint)
         _barrier()
 

@@ -64,9 +64,9 @@ def _saver(request: dict[str, object], server_pid: int) -> None:
         import safestage
 
         tensors = make_tensors(int(request["numel"]), int(request["seed"]))  # type: ignore[arg-type]
-        stage = safestage.activate(
-            str(request["root"]), publish=request["publish"], fsync=True, follow=request.get("follow")
-        )
+        stage = safestage._api.force_follow(
+            safestage.staged(str(request["root"]), publish=request["publish"], fsync=True), request.get("follow")
+        )._open()
         _emit({"ready": os.getpid()})
         if signal.sigtimedwait({signal.SIGUSR1}, READY_TIMEOUT_S) is None:
             os._exit(3)

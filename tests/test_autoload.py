@@ -125,10 +125,19 @@ def test_set_imports_no_torch_until_the_program_does(tmp_path, shm_root):
         ({"SAFESTAGE_DIR": "{readonly}"}, "SAFESTAGE_DIR"),
         ({"SAFESTAGE_DIR": "{missing}"}, "SAFESTAGE_DIR"),
         ({"SAFESTAGE": "maybe"}, "SAFESTAGE"),
-        ({"SAFESTAGE_DIR": "{shm}", "SAFESTAGE_FSYNC": "sometimes"}, "SAFESTAGE_FSYNC"),
+        ({"SAFESTAGE_DIR": "{shm}", "SAFESTAGE_BACKGROUND": "sometimes"}, "background='sometimes' from SAFESTAGE_BACKGROUND"),
+        ({"SAFESTAGE_DIR": "{shm}", "SAFESTAGE_SKIP_LOCAL_DISK": "2"}, "skip_local_disk='2' from SAFESTAGE_SKIP_LOCAL_DISK"),
+        # removed in 0.2: the line names the variable, its value and what to write instead
+        ({"SAFESTAGE_DIR": "{shm}", "SAFESTAGE_MAX_PENDING": "4"}, "SAFESTAGE_MAX_PENDING='4' is removed in safestage 0.2: write SAFESTAGE_BACKGROUND=4 instead"),
+        ({"SAFESTAGE_DIR": "{shm}", "SAFESTAGE_WHEN": "auto"}, "SAFESTAGE_WHEN='auto' is removed in safestage 0.2: write SAFESTAGE_SKIP_LOCAL_DISK=1 instead"),
+        ({"SAFESTAGE_DIR": "{shm}", "SAFESTAGE_FSYNC": "0"}, "SAFESTAGE_FSYNC='0' is removed in safestage 0.2: unset it; to turn durability off, pass fsync=False"),
+        ({"SAFESTAGE": "1", "SAFESTAGE_FOLLOW": "1"}, "SAFESTAGE_FOLLOW='1' is removed in safestage 0.2: unset it"),
     ],
 )
 def test_bad_values_warn_once_and_run_on(tmp_path, shm_root, variables, needle):
+    """A bad or removed variable: ONE line on stderr (whether or not the program configures
+    logging), the script runs on, unstaged. Running unstaged onto a hostile mount is a lost
+    save: the line must be seen."""
     (tmp_path / "file").write_text("not a directory")
     readonly = tmp_path / "ro"
     readonly.mkdir()
@@ -144,10 +153,30 @@ def test_bad_values_warn_once_and_run_on(tmp_path, shm_root, variables, needle):
         subprocess.run(["umount", "-l", str(readonly)], check=False)
     assert result.returncode == 0, result.stderr
     assert "active False" in result.stdout  # saves unstaged, program ran on
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("safestage: WARNING")]
-    assert len(warnings) == 1, result.stderr
-    assert needle in warnings[0]
-    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("safestage:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("safestage: WARNING: ") and needle in lines[0], lines[0]
+    assert lines[0].endswith("safetensors saves in this process are not staged"), lines[0]
+
+
+def test_the_line_is_printed_also_when_the_program_configured_logging(tmp_path, shm_root):
+    """Not only a log record: a program whose logging goes elsewhere (a file, a collector)
+    still shows the one line on stderr; its own handler gets the record, once."""
+    code = textwrap.dedent(
+        f"""
+        import io, logging
+        buffer = io.StringIO()
+        logging.basicConfig(stream=buffer)
+        from safestage._autoload import start_from_environment
+        print(start_from_environment({{"SAFESTAGE_DIR": {str(shm_root)!r}, "SAFESTAGE_MAX_PENDING": "3"}}))
+        print(buffer.getvalue().count("SAFESTAGE_MAX_PENDING"))
+        """
+    )
+    result = run_python(["-c", code], clean_env(), tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["None", "1"]
+    (line,) = result.stderr.splitlines()
+    assert "SAFESTAGE_MAX_PENDING='3' is removed" in line and "SAFESTAGE_BACKGROUND=3" in line, line
 
 
 def test_switch_off_wins_and_switch_on_uses_default_root(tmp_path, shm_root):

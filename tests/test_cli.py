@@ -414,7 +414,10 @@ def test_run_sets_the_environment(tmp_path):
         "stage",
         "--publish",
         "DIRECT",
-        "--no-fsync",
+        "--background",
+        "4",
+        "--skip-local-disk",
+        "--torch-save",
         "--",
         sys.executable,
         "-c",
@@ -427,7 +430,9 @@ def test_run_sets_the_environment(tmp_path):
         "SAFESTAGE": "1",
         "SAFESTAGE_DIR": str(tmp_path / "stage"),  # absolute: the child may chdir
         "SAFESTAGE_PUBLISH": "direct",
-        "SAFESTAGE_FSYNC": "0",
+        "SAFESTAGE_BACKGROUND": "4",
+        "SAFESTAGE_SKIP_LOCAL_DISK": "1",
+        "SAFESTAGE_TORCH_SAVE": "1",
     }
 
 
@@ -459,7 +464,10 @@ def test_run_in_process_returns_the_status():
         (["run", "--publish", "sideways", "--", "true"], {}, "--publish"),
         (["run"], {}, "no command"),
         (["run", "--"], {}, "no command"),
-        (["run", "--", "true"], {"SAFESTAGE_FSYNC": "maybe"}, "SAFESTAGE_FSYNC"),
+        (["run", "--background", "many", "--", "true"], {}, "--background"),
+        (["run", "--", "true"], {"SAFESTAGE_BACKGROUND": "maybe"}, "SAFESTAGE_BACKGROUND"),
+        (["run", "--", "true"], {"SAFESTAGE_FSYNC": "0"}, "SAFESTAGE_FSYNC='0' is removed"),
+        (["run", "--no-fsync", "--", "true"], {}, "--no-fsync is removed in safestage 0.2"),
     ],
 )
 def test_run_usage_errors(args, env, needle):
@@ -523,7 +531,7 @@ def test_status_reports_version_hook_and_settings(tmp_path):
 
 @pytest.mark.parametrize(
     ("variable", "value"),
-    [("SAFESTAGE_PUBLISH", "sideways"), ("SAFESTAGE", "maybe"), ("SAFESTAGE_FSYNC", "2")],
+    [("SAFESTAGE_PUBLISH", "sideways"), ("SAFESTAGE", "maybe"), ("SAFESTAGE_BACKGROUND", "65"), ("SAFESTAGE_FSYNC", "0")],
 )
 def test_status_config_error_exits_1(variable, value):
     code, report = status_json(**{variable: value})

@@ -325,7 +325,7 @@ def test_background_saves_of_one_file_publish_in_order(tmp_path, shm_root, resto
     """Last writer wins, deterministically: eight background saves of one destination from one
     thread publish in call order, whatever the worker threads do."""
     dest = tmp_path / "model.safetensors"
-    with safestage.staged(shm_root, background=True, max_pending=4) as stage:
+    with safestage.staged(shm_root, background=4) as stage:
         for tag in range(8):
             save_file(version(tag), str(dest))
     assert equal(load_file(str(dest)), version(7))

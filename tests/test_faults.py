@@ -509,7 +509,7 @@ def test_staging_root_deleted_under_concurrent_savers(tmp_path):
 
 @pytest.mark.parametrize("second", ["replace", "rename"])
 def test_staging_root_deleted_after_serialization(tmp_path, second):
-    """background=True, max_pending=1: the second save is staged, then waits for the first
+    """background=1: the second save is staged, then waits for the first
     publish (a real 10 MB/s FUSE mount); meanwhile the root is deleted (a tmp cleaner)."""
     from safestage.testing import hostile_mount
 
@@ -540,7 +540,7 @@ def test_staging_root_deleted_after_serialization(tmp_path, second):
                 time.sleep(0.002)
 
         deleter = threading.Thread(target=delete_once_both_are_staged)
-        with pytest.raises(OSError) as info, safestage.staged(root, background=True, max_pending=1):
+        with pytest.raises(OSError) as info, safestage.staged(root, background=1):
             save_file(BIG, str(first))  # 2.7 MiB at 10 MB/s: ~0.3 s publishing
             deleter.start()
             save_file(SMALL, str(dest))  # staged, then blocked until the first is out

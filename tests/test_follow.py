@@ -1,4 +1,4 @@
-"""follow=True (issue 13): the publish copies the staged file while the writer writes it.
+"""Following (issue 13; forced on here with safestage._api.force_follow): the publish copies the staged file while the writer writes it.
 
 The property that matters: the copy never contains a byte the writer has not written yet.
 The writers here imitate safetensors 0.8 (a sibling .tmpXXXXXX preallocated to its full size
@@ -187,7 +187,7 @@ def save_with(stage: safestage.Stage, write: Callable[[str], None], dest: Path) 
 def test_staged_follow_publishes_the_exact_bytes(tmp_path, shm_root, caplog):
     dest = tmp_path / "model.safetensors"
     caplog.set_level(logging.DEBUG, logger="safestage")
-    with safestage.staged(shm_root, follow=True) as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root)) as stage:
         save_with(stage, slow_writer(), dest)
     assert dest.read_bytes() == expected_bytes()
     assert [r.publish for r in stage.records] == ["replace"]
@@ -208,7 +208,7 @@ def test_writer_failing_mid_file_publishes_nothing_and_removes_the_temp(tmp_path
             temps_seen.extend(n for n in os.listdir(tmp_path) if TEMP_OF_OURS.match(n))
 
     with (
-        safestage.staged(shm_root, follow=True) as stage,
+        safestage._api.force_follow(safestage.staged(shm_root)) as stage,
         pytest.raises(ValueError, match="mid-file"),
     ):
         save_with(stage, slow_writer(fail_after=5, on_chunk=look), dest)
@@ -221,7 +221,7 @@ def test_writer_failing_mid_file_publishes_nothing_and_removes_the_temp(tmp_path
 def test_writer_failing_keeps_the_previous_destination(tmp_path, shm_root):
     dest = tmp_path / "model.safetensors"
     dest.write_bytes(b"previous")
-    with safestage.staged(shm_root, follow=True) as stage, pytest.raises(ValueError):
+    with safestage._api.force_follow(safestage.staged(shm_root)) as stage, pytest.raises(ValueError):
         save_with(stage, slow_writer(fail_after=5), dest)
     assert dest.read_bytes() == b"previous"
     assert os.listdir(tmp_path) == ["model.safetensors"]
@@ -238,7 +238,7 @@ def test_writer_not_found_is_a_plain_publish_after_it(tmp_path, shm_root, caplog
         subprocess.run(["dd", f"if={source}", f"of={path}", "bs=1M", "status=none"], check=True)
 
     caplog.set_level(logging.DEBUG, logger="safestage")
-    with safestage.staged(shm_root, follow=True) as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root)) as stage:
         save_with(stage, write, dest)
     assert dest.read_bytes() == expected_bytes()
     assert any("not seen; plain copy" in r.getMessage() for r in caplog.records)
@@ -248,7 +248,7 @@ def test_writer_not_found_is_a_plain_publish_after_it(tmp_path, shm_root, caplog
 
 def test_a_rewriting_writer_fails_the_crc_and_is_copied_again(tmp_path, shm_root, caplog):
     dest = tmp_path / "model.safetensors"
-    with safestage.staged(shm_root, follow=True) as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root)) as stage:
         save_with(stage, slow_writer(rewrite_first=True), dest)
     final = b"\xee" * CHUNK + expected_bytes()[CHUNK:]
     assert dest.read_bytes() == final  # the re-copy, not the followed bytes
@@ -260,32 +260,14 @@ def test_a_rewriting_writer_fails_the_crc_and_is_copied_again(tmp_path, shm_root
 
 def test_follow_is_not_used_for_rename_or_background(tmp_path, stage_root, shm_root, caplog):
     caplog.set_level(logging.DEBUG, logger="safestage")
-    with safestage.staged(stage_root, follow=True) as stage:  # same filesystem: rename
+    with safestage._api.force_follow(safestage.staged(stage_root)) as stage:  # same filesystem: rename
         save_with(stage, slow_writer(delay=0), tmp_path / "a.safetensors")
-    with safestage.staged(shm_root, follow=True, background=True) as stage2:
+    with safestage._api.force_follow(safestage.staged(shm_root, background=True)) as stage2:
         save_with(stage2, slow_writer(delay=0), tmp_path / "b.safetensors")
     assert [r.publish for r in stage.records + stage2.records] == ["rename", "replace"]
     assert not any(
         "following fd" in r.getMessage() or "followed (" in r.getMessage() for r in caplog.records
     )
-
-
-def test_follow_setting_from_the_environment(monkeypatch):
-    monkeypatch.setenv("SAFESTAGE_FOLLOW", "1")
-    assert safestage.staged().settings.follow is True
-    assert safestage.staged(follow=False).settings.follow is False
-    assert safestage.staged(follow=None).settings.follow is None
-    monkeypatch.setenv("SAFESTAGE_FOLLOW", "0")
-    assert safestage.staged().settings.follow is False
-    monkeypatch.setenv("SAFESTAGE_FOLLOW", "auto")
-    assert safestage.staged().settings.follow is None
-    monkeypatch.setenv("SAFESTAGE_FOLLOW", "maybe")
-    with pytest.raises(safestage.ConfigError, match="SAFESTAGE_FOLLOW"):
-        safestage.staged()
-    with pytest.raises(safestage.ConfigError, match="follow"):
-        safestage.staged(follow="yes")
-    monkeypatch.delenv("SAFESTAGE_FOLLOW")
-    assert safestage.staged().settings.follow is None  # the default: auto
 
 
 def test_by_default_a_big_safetensors_save_is_followed_and_a_small_one_is_not(tmp_path, shm_root, caplog):
@@ -304,7 +286,7 @@ def test_by_default_a_big_safetensors_save_is_followed_and_a_small_one_is_not(tm
         save_file({"w": torch.ones(8)}, str(tmp_path / "small.safetensors"))
         torch.save(big, str(tmp_path / "big.pt"))
         assert len(followed()) == 1
-    with safestage.staged(shm_root, follow=False):
+    with safestage._api.force_follow(safestage.staged(shm_root), False):
         save_file(big, str(tmp_path / "off.safetensors"))
     assert len(followed()) == 1
     assert [r.publish for r in stage.records] == ["replace"] * 3
@@ -319,7 +301,7 @@ def test_real_safetensors_saves_followed_onto_the_kit(kit_dir, shm_root, caplog)
     big = {f"w{j}": torch.full((1 << 20,), float(j + 1)) for j in range(16)}  # 64 MiB: followed
     dest = kit_dir / "model.safetensors"
     caplog.set_level(logging.DEBUG, logger="safestage")
-    with safestage.staged(shm_root, follow=True) as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root)) as stage:
         save_file(big, str(dest))  # followed: replace (hdfs); direct (mountpoint) never is
         save_file({k: v + 1 for k, v in big.items()}, str(dest))
     loaded = load_file(str(dest))
@@ -335,14 +317,14 @@ def test_real_safetensors_saves_followed_onto_the_kit(kit_dir, shm_root, caplog)
 
 def test_follow_strategy_decisions(tmp_path, shm_root):
     area = _stage.StagingRoot(shm_root, is_default=False)
-    on = safestage.staged(shm_root, follow=True).settings
-    off = safestage.staged(shm_root, follow=False).settings
+    on = safestage._api.force_follow(safestage.staged(shm_root)).settings
+    off = safestage._api.force_follow(safestage.staged(shm_root), False).settings
     new = tmp_path / "new.safetensors"
     old = tmp_path / "old.safetensors"
     old.write_bytes(b"x")
     assert _stage.follow_strategy(off, new, area) is None
     assert _stage.follow_strategy(on, new, area) == "replace"
-    direct = safestage.staged(shm_root, follow=True, publish="direct").settings
+    direct = safestage._api.force_follow(safestage.staged(shm_root, publish="direct")).settings
     # direct writes the final name: never followed, it publishes after the writer.
     assert _stage.follow_strategy(direct, new, area) is None
     assert _stage.follow_strategy(direct, old, area) is None
@@ -355,7 +337,7 @@ def test_a_save_known_to_be_small_is_not_followed(tmp_path, shm_root, caplog):
     small = {"w": torch.ones(1 << 10)}
     edge = {f"w{j}": torch.ones(1 << 20) for j in range(_follow.FOLLOW_MIN_BYTES // (4 << 20))}
     caplog.set_level(logging.DEBUG, logger="safestage")
-    with safestage.staged(shm_root, follow=True) as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root)) as stage:
         save_file(small, str(tmp_path / "small.safetensors"))
         small_followed = [r for r in caplog.records if "followed (" in r.getMessage()]
         save_file(edge, str(tmp_path / "edge.safetensors"))
@@ -366,7 +348,7 @@ def test_a_save_known_to_be_small_is_not_followed(tmp_path, shm_root, caplog):
     assert torch.equal(load_file(str(tmp_path / "small.safetensors"))["w"], small["w"])
     assert all(torch.equal(v, edge[k]) for k, v in load_file(str(tmp_path / "edge.safetensors")).items())
     assert sorted(os.listdir(tmp_path)) == ["edge.safetensors", "small.safetensors"]
-    settings = safestage.staged(shm_root, follow=True).settings
+    settings = safestage._api.force_follow(safestage.staged(shm_root)).settings
     area = _stage.StagingRoot(shm_root, is_default=False)
     new = tmp_path / "new.safetensors"
     assert _stage.follow_strategy(settings, new, area, _follow.FOLLOW_MIN_BYTES - 1) is None
@@ -392,7 +374,7 @@ def test_a_failed_follow_copy_falls_back_to_a_plain_publish(tmp_path, shm_root, 
         return real_read(self, buffer, limit)
 
     monkeypatch.setattr(_follow._FollowReader, "_read", failing)
-    with safestage.staged(shm_root, follow=True) as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root)) as stage:
         save_with(stage, slow_writer(), dest)
     assert fired, "the fault did not fire"
     assert dest.read_bytes() == expected_bytes()
@@ -429,7 +411,7 @@ def test_a_direct_save_is_published_after_the_writer_with_the_exact_bytes(direct
     dest = directory / "model.safetensors"
     seen: list[bool] = []
     caplog.set_level(logging.DEBUG, logger="safestage")
-    with safestage.staged(shm_root, follow=True, publish=publish) as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root, publish=publish)) as stage:
         save_with(stage, slow_writer(on_chunk=lambda index: seen.append(os.path.lexists(dest))), dest)
     assert seen and not any(seen), f"the final name existed while the writer wrote: {seen}"
     assert dest.read_bytes() == expected_bytes()
@@ -456,7 +438,7 @@ def test_a_direct_save_whose_writer_fails_leaves_nothing_under_the_new_name(dire
             raise KeyboardInterrupt
 
     raised = ValueError if fault == "error" else KeyboardInterrupt
-    with safestage.staged(shm_root, follow=True, publish=publish) as stage, pytest.raises(raised):
+    with safestage._api.force_follow(safestage.staged(shm_root, publish=publish)) as stage, pytest.raises(raised):
         save_with(stage, slow_writer(fail_after=5, on_chunk=look), dest)
     assert seen == [-1], f"the final name was written while the writer wrote: {seen}"
     assert os.listdir(directory) == []

@@ -173,10 +173,10 @@ def test_a_fork_pool_worker_saving_in_the_background_lands(tmp_path, shm_root):
     assert listing(tmp_path) == sorted(Path(d).name for d in dests)
 
 
-@pytest.mark.parametrize("max_pending", [1, 2])
-def test_a_child_forked_mid_publish_neither_hangs_nor_waits_for_the_parent(mount_dir, stage_root, max_pending):
+@pytest.mark.parametrize("at_once", [1, 2])
+def test_a_child_forked_mid_publish_neither_hangs_nor_waits_for_the_parent(mount_dir, stage_root, at_once):
     directory, _ = mount_dir("slow")  # 400 MB/s: a 64 MiB publish takes ~0.2 s
-    stage = safestage.activate(stage_root, background=True, max_pending=max_pending)
+    stage = safestage.activate(stage_root, background=at_once)
     try:
         save_file(tensors(1, numel=16 << 20), str(directory / "parent.safetensors"))
         assert safestage._background.running(stage), "the parent's publish should still be pending"
@@ -254,7 +254,7 @@ def test_ctrl_c_mid_copy_keeps_the_old_file_and_leaks_nothing(mount_dir, stage_r
     fds = open_fds()
     stop = threading.Event()
     finished = False
-    with safestage.staged(stage_root, publish=publish, follow=follow) as stage:
+    with safestage._api.force_follow(safestage.staged(stage_root, publish=publish), follow) as stage:
         watcher = _interrupt_when_growing(being_written, stop)
         with pytest.raises(KeyboardInterrupt):
             save_file(new, str(dest))

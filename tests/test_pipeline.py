@@ -1,4 +1,4 @@
-"""Background publishing, when="auto", and staged_file() for writers other than safetensors."""
+"""Background publishing, skip_local_disk=True, and staged_file() for writers other than safetensors."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def shard(index: int) -> dict[str, torch.Tensor]:
 def test_background_returns_before_publish_and_block_end_waits(slow_mount, stage_root):
     directory = Path(slow_mount.path) / f"bg-{os.getpid()}"
     directory.mkdir()
-    with safestage.staged(stage_root, background=True, max_pending=2) as stage:
+    with safestage.staged(stage_root, background=2) as stage:
         save_file(shard(0), str(directory / "s0.safetensors"))
         assert not (directory / "s0.safetensors").exists(), "save_file waited for the publish"
         for index in (1, 2, 3):
@@ -48,7 +48,7 @@ def test_background_returns_before_publish_and_block_end_waits(slow_mount, stage
 
 def test_background_same_destination_keeps_order(tmp_path, shm_root):
     dest = tmp_path / "same.safetensors"
-    with safestage.staged(shm_root, background=True, max_pending=4):
+    with safestage.staged(shm_root, background=4):
         for index in range(5):
             save_file(shard(index), str(dest))
     assert torch.equal(load_file(str(dest))["w"], shard(4)["w"])
@@ -94,10 +94,10 @@ def test_background_from_the_environment(tmp_path, shm_root):
     assert torch.equal(load_file(str(tmp_path / "env.safetensors"))["w"], torch.ones(1000))
 
 
-def test_when_auto_writes_local_disk_directly_and_fixes_the_mode(tmp_path, shm_root, kit_mounts):
+def test_skip_local_disk_writes_local_disk_directly_and_fixes_the_mode(tmp_path, shm_root, kit_mounts):
     hdfs = Path(kit_mounts["hdfs"].path) / f"when-{os.getpid()}"
     hdfs.mkdir()
-    with safestage.staged(shm_root, when="auto") as stage:
+    with safestage.staged(shm_root, skip_local_disk=True) as stage:
         save_file(shard(0), str(tmp_path / "local.safetensors"))
         save_file(shard(0), str(hdfs / "remote.safetensors"))
     assert [r.publish for r in stage.records] == ["unstaged", "replace"]

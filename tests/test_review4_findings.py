@@ -50,7 +50,7 @@ def test_failed_followed_direct_save_never_deletes_a_file_another_save_just_publ
     errors: dict[str, BaseException] = {}
     a_done = threading.Event()
 
-    with safestage.staged(shm_root, follow=True, publish="direct") as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root, publish="direct")) as stage:
 
         def a() -> None:
             try:
@@ -98,7 +98,7 @@ def test_ctrl_c_while_the_followed_copy_commits_does_not_claim_the_save_unpublis
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", slow_fsync)
-    with safestage.staged(shm_root, follow=True) as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root)) as stage:
         with pytest.raises(KeyboardInterrupt) as info:
             save_with(stage, slow_writer(delay=0.005), dest)
     kept = [p for p in shm_root.rglob("*") if p.is_file()]
@@ -127,7 +127,7 @@ def test_ctrl_c_right_after_the_writer_returned_does_not_leak_the_follow_thread(
         return real_staged_file(*args, **kwargs)
 
     before = threading.active_count()
-    with safestage.staged(shm_root, follow=True, publish="direct") as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root, publish="direct")) as stage:
         monkeypatch.setattr(_stage, "LocalCopy", interrupted)
         with pytest.raises(KeyboardInterrupt):
             save_with(stage, slow_writer(delay=0.005), dest)
@@ -168,7 +168,7 @@ def test_followed_save_to_a_destination_failing_at_close_is_attempted_once(kit_d
             attempts.append(str(path))
         return real_open(path, flags, *args, **kwargs)
 
-    with safestage.staged(shm_root, follow=True) as stage:
+    with safestage._api.force_follow(safestage.staged(shm_root)) as stage:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(os, "open", counting_open)
             with pytest.raises(safestage.PublishError) as info:

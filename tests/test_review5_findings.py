@@ -74,7 +74,7 @@ def test_root_of_a_user_namespace_is_not_the_hosts_root():
 
 
 def test_background_waits_for_pending_publishes_before_calling_the_root_full(tmp_path):
-    """background=True, max_pending=2, a 24 MiB staging root and 9 MiB shards onto a slow
+    """background=2, a 24 MiB staging root and 9 MiB shards onto a slow
     mount: the third shard finds the root holding the two still being published, 6 MiB
     free. It fits once they land, so the save must wait for them, not fail with ENOSPC
     (review 5: it was refused at once, and the user's third shard lost, in a root big
@@ -88,7 +88,7 @@ def test_background_waits_for_pending_publishes_before_calling_the_root_full(tmp
     try:
         with hostile_mount("slow", tmp_path / "mnt", mbps=20) as mount:
             dest = Path(mount.path)
-            with safestage.staged(root, background=True, max_pending=2) as stage:
+            with safestage.staged(root, background=2) as stage:
                 for i, shard in enumerate(shards):
                     save_file(shard, str(dest / f"shard-{i}.safetensors"))
                     if i == 1:

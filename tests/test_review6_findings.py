@@ -101,9 +101,9 @@ try:
     report["thread"] = "started"
 except RuntimeError as exc:
     report["thread"] = str(exc)
-for name, options in (("plain.safetensors", {"follow": False}), ("default.safetensors", {})):
+for name, follow in (("plain.safetensors", False), ("default.safetensors", None)):
     try:
-        with safestage.staged(root, **options):
+        with safestage._api.force_follow(safestage.staged(root), follow):
             save_file(big, str(dest_dir / name))
         report[name] = "saved"
     except BaseException as exc:

@@ -40,7 +40,7 @@ def test_direct_destination_full_error_says_what_happened(small_tmpfs, shm_root)
 
     dest = small_tmpfs / "model.safetensors"
     with (
-        safestage.staged(shm_root, follow=True, publish="direct") as stage,
+        safestage._api.force_follow(safestage.staged(shm_root, publish="direct")) as stage,
         pytest.raises(safestage.PublishError) as info,
     ):
         stage._save(_slow_writer(), dest)

@@ -184,7 +184,7 @@ def _descriptors_into(directory: Path) -> list[str]:
 
 
 def test_ctrl_c_while_waiting_for_a_background_slot_orphans_the_staged_copy(root):
-    """background=True, max_pending=1: the second save is serialized, then waits for the
+    """background=1: the second save is serialized, then waits for the
     first publish to free the slot. A Ctrl-C there (a notebook's "interrupt kernel", a
     training loop's Ctrl-C) leaves the complete staged copy in a private directory whose
     descriptor and flock stay open for the life of the process; the KeyboardInterrupt carries
@@ -192,7 +192,7 @@ def test_ctrl_c_while_waiting_for_a_background_slot_orphans_the_staged_copy(root
     traceback"), and once the process exits nothing ever sweeps it (it holds a complete
     file). What the user loses: the save, silently, plus a leaked lock and disk space."""
     with hostile_mount("slow", mbps=5) as mount:
-        stage = safestage.activate(root, background=True, max_pending=1)
+        stage = safestage.activate(root, background=1)
         try:
             save_file(tensors(1, numel=1 << 20), str(Path(mount.path) / "a.safetensors"))  # ~0.8 s
             timer = threading.Timer(0.3, _thread.interrupt_main)
@@ -266,11 +266,11 @@ def test_staged_file_around_a_safetensors_save_in_a_background_stage(root, tmp_p
     assert loads_as(dest, 3.0)
 
 
-# -- 6. when="auto" caches "local disk" by device number; FUSE reuses device numbers -----------
+# -- 6. skip_local_disk=True caches "local disk" by device number; FUSE reuses device numbers -----------
 
 
 def test_when_auto_writes_a_fuse_mount_unstaged_after_a_tmpfs_had_its_device_number(root, tmp_path):
-    """when="auto" writes local-disk destinations with the original writer, unstaged, and
+    """skip_local_disk=True writes local-disk destinations with the original writer, unstaged, and
     caches that verdict per st_dev (_mounts.is_local_disk). Anonymous device numbers (tmpfs,
     FUSE, overlay, btrfs subvolumes) are reused as soon as a mount goes - README says so
     itself ("FUSE reuses device numbers") and keys the rename verdict per mount, but not this
@@ -281,7 +281,7 @@ def test_when_auto_writes_a_fuse_mount_unstaged_after_a_tmpfs_had_its_device_num
     chmod, not a PublishError keeping the staged copy."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    stage = safestage.activate(root, when="auto")
+    stage = safestage.activate(root, skip_local_disk=True)
     try:
         for _attempt in range(5):
             subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
@@ -330,8 +330,7 @@ def test_a_child_forked_while_a_thread_holds_a_safestage_lock_hangs_in_its_first
     from safestage import _mounts
 
     held_lock = _mounts.capabilities._lock if lock == "capabilities" else _mounts._local_lock
-    when = "auto" if lock == "local-devices" else "always"
-    stage = safestage.activate(root, when=when)
+    stage = safestage.activate(root, skip_local_disk=lock == "local-devices")
     held, release = threading.Event(), threading.Event()
 
     def publisher_inside_the_cache() -> None:

@@ -150,7 +150,7 @@ def test_local_disk_across_devices_gets_0644_and_same_device_renames(tmp_path, s
         torch.save(obj, tmp_path / "a.pt")
     with safestage.staged(stage_root, torch_save=True) as same:
         torch.save(obj, tmp_path / "b.pt")
-    with safestage.staged(shm_root, torch_save=True, when="auto") as auto:
+    with safestage.staged(shm_root, torch_save=True, skip_local_disk=True) as auto:
         torch.save(obj, tmp_path / "c.pt")  # local disk: torch.save itself writes it
     assert [r.publish for r in across.records + same.records + auto.records] == ["replace", "rename", "unstaged"]
     for name in ("a.pt", "b.pt", "c.pt"):

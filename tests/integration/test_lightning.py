@@ -245,7 +245,7 @@ def test_background_publishing_keeps_top_k_in_order(mode, kit_mounts, shm_root):
     from safestage.lightning import StagedCheckpointIO
 
     dest = fresh_dir(kit_mounts[mode], "bg") / "ckpts"
-    plugin = StagedCheckpointIO(shm_root, background=True, max_pending=2)
+    plugin = StagedCheckpointIO(shm_root, background=2)
     module = _tiny_module()
     _trainer(dest, [plugin], max_steps=6).fit(module, _loader())  # teardown waits
     assert len(plugin.records) == 6
