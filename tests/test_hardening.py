@@ -753,12 +753,14 @@ def test_doctor_with_an_unusable_root_is_not_called_unsafe(mount_dir, tmp_path):
     assert "SAFESTAGE_DIR" in report["recommendation"]["text"]
 
 
-def test_readme_states_the_chunk_size_the_code_uses():
+def test_the_docs_state_the_chunk_size_the_code_uses():
     from safestage._publish import CHUNK_BYTES
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert f"{CHUNK_BYTES >> 20} MiB chunks" in readme
-    assert "8 MiB chunks" not in readme or CHUNK_BYTES == 8 << 20
+    docs = Path(__file__).parents[1] / "docs"
+    for page in ("guarantees.md", "design.md"):
+        text = (docs / page).read_text()
+        assert f"{CHUNK_BYTES >> 20} MiB chunks" in text, page
+        assert "8 MiB chunks" not in text or CHUNK_BYTES == 8 << 20, page
 
 
 def test_the_mount_table_cache_never_hides_a_mount_made_or_gone(tmp_path):

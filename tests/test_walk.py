@@ -50,6 +50,7 @@ from safetensors.torch import load_file, save_file
 
 import safestage
 from safestage import PublishError, StagingError
+from safestage import _save
 from safestage._clean import clean
 from safestage._mounts import capabilities
 from safestage._names import parse_stage_dir, parse_temp_name
@@ -85,6 +86,7 @@ class Place:
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
         save_file(old_tensors(), str(self.backing / "model.safetensors"))
         capabilities.clear()  # every life probes again: the probe is walked too
+        _save._roots.clear()  # every life is a process's first use of its root: checked, swept
 
 
 @pytest.fixture(scope="module")
