@@ -782,3 +782,37 @@ def test_the_mount_table_cache_never_hides_a_mount_made_or_gone(tmp_path):
     finally:
         subprocess.run(["umount", str(target)], check=True)
     assert mount_of(target) == before
+
+
+_DEAD_SAVE_DIR = """
+import os, sys
+from safestage._names import save_dir_name
+path = os.path.join(sys.argv[1], save_dir_name())
+os.mkdir(path, 0o700)
+open(os.path.join(path, ".tmpAbC123"), "wb").close()  # safetensors' torn temp
+print(path)
+"""
+
+
+@pytest.mark.regression("v0.2 hostile review: 'every activation sweeps' no longer held once the root was checked once per process")
+def test_a_dead_jobs_save_dir_is_swept_by_the_next_process_and_by_clean(tmp_path):
+    """The first use of a root in a process sweeps it; later activations of the same process
+    reuse the checked root (docs/guarantees.md, Leftovers); `safestage clean` sweeps on demand."""
+    root = tmp_path / "root"
+    root.mkdir()
+
+    def dead_save_dir() -> str:
+        return subprocess.run(
+            [sys.executable, "-c", _DEAD_SAVE_DIR, str(root)], check=True, capture_output=True, text=True
+        ).stdout.strip()
+
+    first = dead_save_dir()
+    activate = f"import safestage; safestage.activate({str(root)!r}).close()"
+    subprocess.run([sys.executable, "-c", activate], check=True, timeout=120)
+    assert not os.path.exists(first), "a new process's first activation left a dead job's save dir"
+    second = dead_save_dir()
+    done = subprocess.run(
+        [sys.executable, "-m", "safestage", "clean", str(root)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done
+    assert not os.path.exists(second) and os.listdir(root) == []
