@@ -419,3 +419,76 @@ def test_staging_root_is_not_tmpdir_unless_asked(monkeypatch, tmp_path, kit_moun
     with contextlib.suppress(FileNotFoundError):
         assert os.listdir(tmpdir / f"safestage-{os.getuid()}") == []
     assert plugin.records[0].publish == "direct"
+
+
+# -- file names that repeat: a pending save exists for everything that asks ----------------------
+
+# What plain synchronous Lightning keeps (each run of _lightning_runs.py), checked on local disk
+# without the plugin below, and expected through the plugin everywhere.
+EXPECTED_RUNS = {
+    # a metric that gets worse every step, save_top_k=3: steps 1, 2, 3 kept, the first is best
+    "top_k": {"steps": {"epoch=0.ckpt": 1, "epoch=0-v1.ckpt": 2, "epoch=0-v2.ckpt": 3},
+              "best_model_path": "epoch=0.ckpt", "best_model_score": 1.0},
+    # one Trainer fitted twice (2 then 4 epochs), a fixed name, versions from 9
+    "rerun": {"steps": {"ckpt.ckpt": 1, "ckpt-v9.ckpt": 2, "ckpt-v10.ckpt": 3, "ckpt-v11.ckpt": 4},
+              "best_model_path": "ckpt.ckpt", "best_model_score": 0.0},
+    # save_last="link": last.ckpt is the newest checkpoint (a link, or a copy where links fail)
+    "link": {"steps": {"epoch=0-step=3.ckpt": 3, "last.ckpt": 3},
+             "best_model_path": "epoch=0-step=3.ckpt", "best_model_score": None},
+}  # fmt: skip
+
+
+def run_lightning_runs(cases: list[dict[str, object]], fsspec_dir: Path | None, cwd: Path) -> dict[str, object]:
+    env = clean_env()
+    if fsspec_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fsspec_dir), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, str(HERE / "_lightning_runs.py"), json.dumps(cases)],
+        env=env, cwd=cwd, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.regression("issue 18 item 1: a pending background save was invisible to the version counter, whose next save overwrote it (top-k lost the best checkpoint)")
+@pytest.mark.regression("issue 18 item 2: save_last='link' copied the best checkpoint while it was still publishing, or died in chmod on mountpoint")
+@pytest.mark.regression("issue 18 item 12: the background publisher's threads outlived fit()")
+@pytest.mark.parametrize("version", [OLD_FSSPEC, NEW_FSSPEC])
+def test_model_checkpoint_keeps_what_synchronous_lightning_keeps(version, old_fsspec, kit_mounts, real_mounts, shm_root, tmp_path):
+    """Through the plugin, synchronous or background, ModelCheckpoint keeps what plain
+    Lightning keeps when file names repeat (the version counter sees a pending save, top-k and
+    best_model_path are right, a rerun of the same Trainer counts on), save_last="link" works
+    where symlinks fail (rclone over S3, mountpoint: a copy of the published checkpoint, no
+    chmod), and fit() leaves no thread behind."""
+    places = {
+        "hdfs": Path(kit_mounts["hdfs"].path),
+        "mountpoint": Path(kit_mounts["mountpoint"].path),
+        "rclone": Path(real_mounts["rclone-s3"].path),
+    }
+    cases = [{"run": run, "dir": str(fresh_dir_at(tmp_path, f"disk-{run}")), "plugin": "none", "root": str(shm_root)}
+             for run in EXPECTED_RUNS]  # fmt: skip
+    for place, base in places.items():
+        for run in EXPECTED_RUNS:
+            for plugin in ("sync", "background"):
+                directory = fresh_dir_at(base, f"{place}-{run}-{plugin}")
+                cases.append({"run": run, "dir": str(directory), "plugin": plugin, "root": str(shm_root)})
+    result = run_lightning_runs(cases, old_fsspec if version == OLD_FSSPEC else None, tmp_path)
+    assert result["fsspec"] == version
+    wrong = []
+    for case in result["cases"]:
+        expected = {"error": None, "leaked_threads": [], **EXPECTED_RUNS[case["run"]]}
+        facts = {key: case[key] for key in expected}
+        if case["run"] != "link":
+            facts["best_k"], expected["best_k"] = case["best_k"], sorted(expected["steps"])
+        if facts != expected:
+            wrong.append((Path(case["dir"]).name, {k: v for k, v in facts.items() if v != expected[k]}))
+    assert wrong == [], "\n".join(map(str, wrong))
+    links = {(Path(c["dir"]).name.split("-")[0], c["plugin"]): c["last_is_link"] for c in result["cases"] if c["run"] == "link"}
+    assert links[("disk", "none")] and not links[("rclone", "background")] and not links[("mountpoint", "sync")]
+    assert os.listdir(shm_root) == []
+
+
+def fresh_dir_at(base: Path, label: str) -> Path:
+    directory = base / f"{label}-{uuid.uuid4().hex[:6]}"
+    directory.mkdir()
+    return directory
