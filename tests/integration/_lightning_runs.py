@@ -94,7 +94,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
             trainer.fit_loop.max_epochs = 4
             trainer.fit(module(), loader(8))
         out["error"] = None
-    except BaseException as error:  # noqa: BLE001 - the fact to report
+    except BaseException as error:  # the fact to report
         out["error"] = describe(error)
     out["leaked_threads"] = sorted(t.name for t in set(threading.enumerate()) - threads_before)
     out["listing"] = sorted(os.listdir(directory))

@@ -283,9 +283,9 @@ def test_failing_upload_raises_a_publish_error_from_fit(how, kit_mounts, shm_roo
 
 
 def test_forked_child_publishes_before_it_returns_even_in_background(kit_mounts, shm_root):
-    from safestage.lightning import StagedCheckpointIO
-
     import signal
+
+    from safestage.lightning import StagedCheckpointIO
 
     dest = fresh_dir(kit_mounts["slow"], "fork")
     plugin = StagedCheckpointIO(shm_root, background=True)
@@ -492,3 +492,61 @@ def fresh_dir_at(base: Path, label: str) -> Path:
     directory = base / f"{label}-{uuid.uuid4().hex[:6]}"
     directory.mkdir()
     return directory
+
+
+@pytest.mark.regression("issue 18 item 8: StagedCheckpointIO(checkpoint_io=AsyncCheckpointIO(...)) failed every save and wrote the checkpoint into a removed staging directory")
+def test_async_checkpoint_io_inside_the_plugin_is_refused_naming_what_to_write(shm_root):
+    import lightning.pytorch.plugins.io as lightning_io
+    import pytorch_lightning.plugins.io as pl_io
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from safestage.lightning import StagedCheckpointIO
+
+    for inverted in (lightning_io.AsyncCheckpointIO(), lightning_io.AsyncCheckpointIO(TorchCheckpointIO()), pl_io.AsyncCheckpointIO()):
+        with pytest.raises(safestage.ConfigError) as info:
+            StagedCheckpointIO(shm_root, checkpoint_io=inverted)
+        message = str(info.value)
+        assert "AsyncCheckpointIO(StagedCheckpointIO(...))" in message and "background=True" in message
+    assert os.listdir(shm_root) == []
+    # The documented composition is accepted.
+    lightning_io.AsyncCheckpointIO(StagedCheckpointIO(shm_root))
+
+
+@pytest.mark.regression("v0.2 hostile review: under AsyncCheckpointIO a save still queued on its thread is invisible to remove_checkpoint, and the checkpoint stays")
+def test_top_k_removal_is_in_order_in_background_and_lightnings_under_async_checkpoint_io(tmp_path):
+    """ModelCheckpoint's order (save the new checkpoint, then remove the old one) with 0.8 s
+    publishes. ``background=True``: each removal waits for its checkpoint's publish, exactly
+    the newest stays. Under ``AsyncCheckpointIO`` the order is Lightning's: a removal of a
+    checkpoint whose save is running in the plugin is done once it is published, one still
+    queued on Lightning's thread is not seen and that checkpoint stays; every checkpoint that
+    stays is complete, the newest is there, and nothing fails."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from safestage.lightning import StagedCheckpointIO
+    from safestage.testing import hostile_mount
+
+    root = tmp_path / "root"
+    root.mkdir()
+    checkpoint = {"w": torch.zeros(4 * 1024 * 1024)}  # 16 MiB: about 0.8 s each at 20 MB/s
+    names = ["epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt"]
+    with hostile_mount("slow", mbps=20) as mount:
+        listings = {}
+        for how in ("background", "async"):
+            directory = Path(mount.path) / how
+            directory.mkdir()
+            staged = StagedCheckpointIO(root, background=how == "background")
+            io = AsyncCheckpointIO(staged) if how == "async" else staged
+            io.save_checkpoint(checkpoint, directory / names[0])
+            io.save_checkpoint(checkpoint, directory / names[1])
+            io.remove_checkpoint(directory / names[0])
+            io.save_checkpoint(checkpoint, directory / names[2])
+            io.remove_checkpoint(directory / names[1])
+            io.teardown()
+            listings[how] = sorted(os.listdir(directory))
+            for name in listings[how]:
+                assert torch.equal(torch.load(directory / name, weights_only=True)["w"], checkpoint["w"]), name
+            assert len(staged.records) == 3
+    assert listings["background"] == [names[2]]
+    listing = listings["async"]
+    assert names[0] not in listing and names[2] in listing, listing  # e0's save was running: removed after it
+    assert os.listdir(root) == []
