@@ -22,17 +22,28 @@ What it holds is glue only: which paths are staged (local ones; ``s3://`` and ot
 URLs go to the wrapped plugin untouched), the parent directory Lightning expects to be made,
 and delegation of loading and removing. The staging and publishing are the core's
 (``safestage._save.run``, the pipeline of every save). Lightning is imported when this module is.
+
+Two questions ModelCheckpoint asks the filesystem itself, not the CheckpointIO, so this
+module wraps them in ModelCheckpoint (both packages, when imported): ``file_exists`` (its
+version counter) first waits for a pending background publish of that name, and
+``_link_checkpoint`` (``save_last="link"``), when the Trainer's checkpoint IO is this plugin,
+waits for the pending publishes of the checkpoint and the link, and where symlinks fail (rclone,
+S3 mounts, mountpoint-s3) copies the checkpoint through the plugin instead of
+``shutil.copy`` (whose chmod mountpoint-s3 refuses).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Union
 
 from . import _background, _config, _patch, _save
 from ._config import PathArg, Publish
+from ._errors import ConfigError
 from ._paths import resolve_destination
 from ._stage import PublishRecord
 
@@ -61,16 +72,19 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
     ``background=True``: ``save_checkpoint`` returns once the checkpoint is complete in the
     staging root and publishes it on safestage's background publisher (2 at once;
-    ``background=N``: at most N). Removing a checkpoint waits for its publish, so
-    ModelCheckpoint's top-k removal stays in order. A failed publish is raised by the next
-    ``save_checkpoint``, by ``teardown()`` (the Trainer calls it when fit ends) or by
-    ``safestage.wait()`` (with Fabric, which has no teardown). A forked child's saves publish
-    before they return.
+    ``background=N``: at most N). A checkpoint still publishing exists for whoever asks:
+    removing or loading it, and ModelCheckpoint's version counter and ``save_last="link"``,
+    first wait for its publish, so ModelCheckpoint keeps what it keeps synchronously. A failed
+    publish is raised by the next ``save_checkpoint``, by ``teardown()`` (the Trainer calls it
+    when fit ends; it also ends the publishing threads) or by ``safestage.wait()`` (with
+    Fabric, which has no teardown). A forked child's saves publish before they return.
 
     ``records`` lists every published checkpoint (``safestage.PublishRecord``). A failed
     publish raises ``safestage.PublishError`` (an OSError) naming the checkpoint and keeping
     the complete staged copy. Under ``AsyncCheckpointIO`` Lightning raises it at the next save
-    or at teardown.
+    or at teardown, and the order of removals and saves is Lightning's: a save still queued
+    on its thread is not seen (use ``background=True``). ``checkpoint_io`` must not be an
+    ``AsyncCheckpointIO`` (ConfigError): that wraps this plugin, not the other way round.
     """
 
     def __init__(
@@ -85,6 +99,15 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         _config.reject_removed(removed, "StagedCheckpointIO")
+        if _is_async(checkpoint_io):
+            # Its thread would save into our staging file after we had published and removed
+            # it (issue 18): every save fails, and the checkpoint lands in a removed directory.
+            raise ConfigError(
+                "StagedCheckpointIO(checkpoint_io=AsyncCheckpointIO(...)) is the composition inverted:"
+                " write AsyncCheckpointIO(StagedCheckpointIO(...)), or better"
+                " StagedCheckpointIO(..., background=True) (serialized on the training thread,"
+                " published in the background, top-k removal in order)."
+            )
         self.settings = _config.resolve(root=root, publish=publish, fsync=fsync, background=background)
         _save.staging_root(self.settings, opening=True)  # a bad root fails here; checked once per process
         self.checkpoint_io: CheckpointIO = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
@@ -132,10 +155,10 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         return result
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove a checkpoint, after its pending background publish. One whose save is still
-        running in another thread (AsyncCheckpointIO's: ModelCheckpoint asks to remove the
-        previous top-k file right after submitting the next save) is removed by that thread
-        once it is published. A failed publish is raised by teardown or the next save."""
+        """Remove a checkpoint, after its pending background publish. One whose save is
+        running in another thread (AsyncCheckpointIO's) is removed by that thread once it is
+        published; one still queued there is not seen, and stays (Lightning's order). A
+        failed publish is raised by teardown or the next save."""
         local = _local_path(path)
         if local is None:
             self.checkpoint_io.remove_checkpoint(path)
@@ -143,12 +166,38 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         _save.when_saved(_key(local), lambda: self.checkpoint_io.remove_checkpoint(path))
 
     def teardown(self) -> None:
-        """Wait for this plugin's background publishes, raising the first error (the Trainer
-        calls it when fit ends; with Fabric, call ``safestage.wait()``)."""
+        """Wait for this plugin's background publishes, raising the first error, and end the
+        publishing threads if nothing else is publishing (the Trainer calls it when fit ends;
+        with Fabric, call ``safestage.wait()``)."""
         try:
             _background.wait(self)
         finally:
+            _background.end_threads()
             self.checkpoint_io.teardown()
+
+    def _link(self, trainer: Any, filepath: str, linkpath: str) -> None:
+        """ModelCheckpoint's ``_link_checkpoint`` (Lightning 2.6) with the checkpoint and the
+        link published first, and a copy published by this plugin where symlinks fail."""
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            _settle(filepath)  # the checkpoint is there before it is linked or copied,
+            _settle(linkpath)  # and an earlier publish of the link cannot land over it
+            _background.wait(self, finished_only=True)  # a failed one: raised, never copied
+            if os.path.islink(linkpath) or os.path.isfile(linkpath):
+                os.remove(linkpath)
+            elif os.path.isdir(linkpath):
+                shutil.rmtree(linkpath)
+            try:
+                os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), linkpath)
+            except OSError:  # rclone, S3 mounts, mountpoint-s3: no symlinks; a copy, no chmod
+                local = _local_path(linkpath)
+                if local is None:
+                    raise
+
+                def copy(staged: str) -> None:
+                    shutil.copyfile(filepath, staged)
+
+                _save.run(copy, _save.destination(local), self.settings, owner=self, record=self._record)
+        trainer.strategy.barrier()
 
     def _record(self, record: PublishRecord) -> None:
         self.records.append(record)  # list.append is atomic: publish workers call it too
@@ -189,6 +238,47 @@ def _local_path(path: Any) -> Optional[str]:
     return text[len("file://"):] if text.startswith("file://") else text
 
 
+def _settle(path: Any) -> None:
+    """Wait for a pending background publish of the checkpoint ``path`` (none: at once)."""
+    local = _local_path(path)
+    if local is not None:
+        _background.settle(_key(local))
+
+
+def _is_async(checkpoint_io: Optional[CheckpointIO]) -> bool:
+    for name in ("lightning.pytorch.plugins.io.async_plugin", "pytorch_lightning.plugins.io.async_plugin"):
+        module = sys.modules.get(name)  # not imported: nobody made one
+        if module is not None and isinstance(checkpoint_io, module.AsyncCheckpointIO):
+            return True
+    return False
+
+
+def _file_exists(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # ModelCheckpoint's version counter asks the filesystem whether a name is taken: a
+    # checkpoint still publishing must count, or the next save gets its name (issue 18).
+    _settle(args[0] if args else kwargs["filepath"])
+    return wrapped(*args, **kwargs)
+
+
+def _link_checkpoint(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def parts(trainer: Any, filepath: str, linkpath: str) -> tuple[Any, str, str]:
+        return trainer, filepath, linkpath
+
+    trainer, filepath, linkpath = parts(*args, **kwargs)
+    io = getattr(trainer.strategy, "checkpoint_io", None)
+    plugin = io if isinstance(io, StagedCheckpointIO) else getattr(io, "checkpoint_io", None)
+    if not isinstance(plugin, StagedCheckpointIO):
+        return wrapped(*args, **kwargs)
+    plugin._link(trainer, filepath, linkpath)
+
+
+def _wrap_model_checkpoint(module: Any) -> None:
+    with contextlib.suppress(Exception):  # a hook that raises breaks the user's import (wrapt)
+        wrapt.wrap_function_wrapper(module, "ModelCheckpoint.file_exists", _file_exists)
+    with contextlib.suppress(Exception):
+        wrapt.wrap_function_wrapper(module, "ModelCheckpoint._link_checkpoint", _link_checkpoint)
+
+
 def _register_with_other_base(module: Any) -> None:
     # `pip install lightning` also installs pytorch-lightning: a `pytorch_lightning.Trainer`
     # checks plugins against lightning_fabric's CheckpointIO, a different class than
@@ -197,8 +287,10 @@ def _register_with_other_base(module: Any) -> None:
         module.CheckpointIO.register(StagedCheckpointIO)
 
 
-if _OTHER_BASE:
-    import wrapt
+import wrapt  # noqa: E402 - after the names its hooks use
 
+for _name in ("lightning.pytorch.callbacks.model_checkpoint", "pytorch_lightning.callbacks.model_checkpoint"):
+    wrapt.register_post_import_hook(_wrap_model_checkpoint, _name)
+if _OTHER_BASE:
     wrapt.register_post_import_hook(_register_with_other_base, _OTHER_BASE)
 
