@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -390,3 +391,67 @@ def test_a_publish_that_failed_with_enoent_in_a_checkpoint_still_there_is_raised
     assert raised.value.errno == errno.ENOENT
     assert raised.value.staged_path is not None and os.path.exists(raised.value.staged_path)  # kept, named
     assert not (checkpoint / safestage.COMMIT_NAME).exists()
+
+
+class _Messages(logging.Handler):
+    """What the Trainer logs (transformers' loggers do not propagate to caplog's root)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.texts.append(record.getMessage())
+
+
+@pytest.mark.regression(
+    "issue 18 item 11: with SAFESTAGE_BACKGROUND=1 and load_best_model_at_end=True the Trainer "
+    "logged a false 'Could not locate the best model': its model.safetensors was still publishing"
+)
+@pytest.mark.parametrize("callback", [True, False], ids=["with-CommitCallback", "without"])
+def test_load_best_model_at_end_in_background_mode_finds_the_best_checkpoint_with_the_callback(
+    callback, slow_hdfs, tmp_path
+):
+    """The best checkpoint is the last one, whose 0.8 MB model.safetensors takes ~2 s to
+    publish here. CommitCallback's on_save waits for it; without the callback nothing does,
+    and the Trainer looks while it is publishing (the documented limit)."""
+    output_dir = fresh_dir(slow_hdfs, "run")
+    root = tmp_path / "scratch"
+    root.mkdir()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    evaluations = iter(range(100))  # each evaluation scores higher: the last checkpoint is the best
+    args = _arguments(
+        output_dir, None, eval_strategy="steps", eval_steps=1, save_only_model=True,
+        load_best_model_at_end=True, metric_for_best_model="evals", greater_is_better=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=transformers.LlamaForCausalLM(config), args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(),
+        compute_metrics=lambda _: {"evals": next(evaluations)}, callbacks=[CommitCallback()] if callback else [],
+    )  # fmt: skip
+    messages = _Messages()
+    trainer_log = logging.getLogger("transformers.trainer")
+    trainer_log.addHandler(messages)
+    level = trainer_log.level
+    trainer_log.setLevel(logging.INFO)
+    try:
+        with safestage.staged(root, background=1):  # SAFESTAGE_BACKGROUND=1, as the start-up hook would
+            trainer.train()
+    finally:
+        trainer_log.removeHandler(messages)
+        trainer_log.setLevel(level)
+    best = output_dir / "checkpoint-3"
+    assert trainer.state.best_model_checkpoint == str(best)
+    lost = [text for text in messages.texts if "Could not locate the best model" in text]
+    if callback:
+        assert lost == [], lost
+        assert any(f"Loading best model from {best}" in text for text in messages.texts), messages.texts
+        assert safestage.verify(best, deep=True).complete
+        weights = load_file(str(best / "model.safetensors"))
+        for name, tensor in trainer.model.state_dict().items():
+            assert torch.equal(weights[name], tensor), name  # the best model is the one loaded
+    else:
+        assert lost, "the Trainer found the best model without the callback: update docs/integrations.md"
