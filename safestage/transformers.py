@@ -56,7 +56,9 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
     SAFESTAGE_* variable > default). After each commit, ``committed`` holds
     ``(checkpoint path, manifest, seconds)``. A checkpoint that fails its read-back raises
     PublishError from ``on_save`` and gets no commit file: the run stops, as it would if the
-    Trainer's own write had failed.
+    Trainer's own write had failed. So does a failed background publish, except one of a file
+    of a checkpoint the Trainer's rotation deleted (a WARNING, its staged copy removed); a
+    checkpoint without ``trainer_state.json`` is never committed.
     """
 
     def __init__(
