@@ -201,6 +201,15 @@ def wait(owner: object = None, *, finished_only: bool = False) -> None:
         current.wait(owner, finished_only=finished_only)
 
 
+def failures() -> list[BaseException]:
+    """Wait for every background publish in the process; return the errors of those nobody
+    has waited for (now seen), for a caller that decides which of them are errors."""
+    current = _publisher
+    if current is None or current.pid != os.getpid():
+        return []
+    return current.unobserved_failures()
+
+
 def running(owner: object) -> list[Future[object]]:
     current = _publisher
     return current.running(owner) if current is not None and current.pid == os.getpid() else []

@@ -26,7 +26,7 @@ from ._interrupts import deferred
 from ._lifecycle import start_worker
 from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
-from ._names import local_name, save_dir_name
+from ._names import local_name, parse_stage_dir, save_dir_name
 from ._paths import real_directory
 from ._publish import (
     Published,
@@ -336,6 +336,19 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
     if path.exists():
         log.warning("could not remove staging directory %s", path)
+
+
+def discard_kept(error: PublishError) -> bool:
+    """Remove the complete copy a failed publish kept (``error.staged_path``), for a caller
+    that knows the file is not wanted any more (the transformers Trainer deleted the
+    checkpoint it was for). Only a save directory of ours; returns whether it is gone."""
+    if error.staged_path is None:
+        return False
+    save_dir = Path(error.staged_path).parent
+    if parse_stage_dir(save_dir.name) is None:
+        return False
+    remove_tree(save_dir)
+    return not save_dir.exists()
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ transformers is imported when this module is.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from ._config import PathArg, Publish
+from ._errors import PublishError
 from ._manifest import Manifest
 
 __all__ = ["CommitCallback"]
@@ -43,6 +45,7 @@ __all__ = ["CommitCallback"]
 log = logging.getLogger("safestage")
 
 _PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+_STATE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 
 
 class CommitCallback(TrainerCallback):  # type: ignore[misc]
@@ -53,7 +56,9 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
     SAFESTAGE_* variable > default). After each commit, ``committed`` holds
     ``(checkpoint path, manifest, seconds)``. A checkpoint that fails its read-back raises
     PublishError from ``on_save`` and gets no commit file: the run stops, as it would if the
-    Trainer's own write had failed.
+    Trainer's own write had failed. So does a failed background publish, except one of a file
+    of a checkpoint the Trainer's rotation deleted (a WARNING, its staged copy removed); a
+    checkpoint without ``trainer_state.json`` is never committed.
     """
 
     def __init__(
@@ -100,20 +105,32 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
             self._before_save(args, state)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from . import _api
+        from . import _background
         from ._in_place import commit_in_place
 
-        _api.wait()  # this rank's background publishes (SAFESTAGE_BACKGROUND=1) have landed
+        checkpoint = self._checkpoint(args, state)
+        # This rank's background publishes (SAFESTAGE_BACKGROUND) have landed or failed; a
+        # failure is raised unless it is a file of a checkpoint the rotation deleted.
+        _raise_unless_rotated(_background.failures(), checkpoint)
         _barrier()  # every rank has written its files
         if not args.should_save:
             return
-        checkpoint = self._checkpoint(args, state)
         if not checkpoint.is_dir():
             # The Trainer's own rotation (save_total_limit) runs before on_save and can delete the
             # checkpoint it has just written: it keeps the highest step numbers when directory
             # mtimes are less than 1 s apart, and a run resumed from an older checkpoint writes
             # lower ones. Nothing to commit; the Trainer decided.
             log.warning("%s: not there any more (removed by save_total_limit?): not committed", checkpoint)
+            return
+        if _rotated(checkpoint):
+            # The rotation deleted it while files of it were still publishing in the background:
+            # rmtree (ignore_errors) could not remove the directory they landed in after its
+            # listing. What is left is a fragment, never a checkpoint to commit.
+            log.warning(
+                "%s: removed by save_total_limit while files of it were still publishing "
+                "(SAFESTAGE_BACKGROUND); not committed: what is left (%s) is not a checkpoint",
+                checkpoint, ", ".join(sorted(p.name for p in checkpoint.iterdir())) or "nothing",
+            )  # fmt: skip
             return
         started = time.perf_counter()
         manifest = commit_in_place(checkpoint, self._root, publish=self._publish, fsync=self._fsync)
@@ -139,6 +156,50 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
             if checkpoint.is_dir() and invalidate(checkpoint, fsync=self._fsync):
                 log.info("%s is being rewritten: its commit file was removed first", checkpoint)
         _barrier()
+
+
+def _rotated(checkpoint: Path) -> bool:
+    """Whether the Trainer's rotation has deleted ``checkpoint`` (or tried to): its
+    trainer_state.json, the last file the saving process writes before it rotates, is gone.
+    (On the other ranks it may not be written yet: asked only about a checkpoint one of
+    whose files failed to publish because it was removed.)"""
+    return not (checkpoint / _STATE).exists()
+
+
+def _raise_unless_rotated(failures: list[BaseException], checkpoint: Path) -> None:
+    """Raise the first of this rank's failed background publishes (each was logged when it
+    failed), with a note naming the others, except those the rotation caused: ENOENT
+    publishing a file of ``checkpoint`` after the Trainer deleted it. Those are a WARNING and
+    their kept copies are discarded (the Trainer deleted what they were for). Any other
+    ENOENT (a destination nobody removed) is still raised."""
+    from ._stage import discard_kept
+
+    dropped = [
+        error for error in failures
+        if isinstance(error, PublishError) and error.errno == errno.ENOENT
+        and _inside(error.filename, checkpoint)
+    ]  # fmt: skip
+    if dropped and _rotated(checkpoint):
+        names = ", ".join(sorted(Path(error.filename).name for error in dropped))
+        kept = [error.staged_path for error in dropped if error.staged_path and not discard_kept(error)]
+        log.warning(
+            "%s: removed by save_total_limit while %s was still publishing (SAFESTAGE_BACKGROUND): "
+            "not published, the Trainer deleted its checkpoint%s",
+            checkpoint, names, f"; could not remove the staged copies {kept}" if kept else "",
+        )  # fmt: skip
+        failures = [error for error in failures if not any(error is d for d in dropped)]
+    if not failures:
+        return
+    first = failures[0]
+    if len(failures) > 1 and hasattr(first, "add_note"):  # Python 3.11+
+        first.add_note(f"{len(failures) - 1} more background publish(es) failed too:")
+        for error in failures[1:]:
+            first.add_note(f"  {error}")
+    raise first
+
+
+def _inside(path: Optional[str], directory: Path) -> bool:
+    return path is not None and Path(path).is_relative_to(directory)
 
 
 def _barrier() -> None:

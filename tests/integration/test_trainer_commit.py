@@ -13,15 +13,19 @@ own, and the kill must reach every rank at once, as a preemption does.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +35,7 @@ from safetensors.torch import load_file
 from transformers.trainer_utils import get_last_checkpoint
 
 import safestage
+from safestage.testing import hostile_mount
 from safestage.transformers import CommitCallback
 
 pytestmark = pytest.mark.integration
@@ -222,17 +227,20 @@ class _CommitFileProbe(transformers.TrainerCallback):
             self.seen[state.global_step] = (checkpoint / safestage.COMMIT_NAME).exists()
 
 
+def _arguments(output_dir: Path, limit: int | None, **more: Any) -> transformers.TrainingArguments:
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=3, save_steps=1, save_total_limit=limit,
+        per_device_train_batch_size=2, use_cpu=True, report_to=[], logging_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, **more,
+    )  # fmt: skip
+
+
 def _train(output_dir: Path, resume: Path | None, limit: int | None) -> tuple[CommitCallback, _CommitFileProbe]:
     from _clients import tiny_llama
 
-    args = transformers.TrainingArguments(
-        output_dir=str(output_dir), max_steps=3, save_steps=1, save_total_limit=limit,
-        per_device_train_batch_size=2, use_cpu=True, report_to=[], logging_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
     commit, probe = CommitCallback(), _CommitFileProbe()
     trainer = transformers.Trainer(
-        model=tiny_llama(), args=args, train_dataset=_Tokens(), callbacks=[commit, probe]
+        model=tiny_llama(), args=_arguments(output_dir, limit), train_dataset=_Tokens(), callbacks=[commit, probe]
     )
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     return commit, probe
@@ -290,3 +298,160 @@ def test_a_run_resumed_from_an_uncommitted_checkpoint_is_warned_about(tmp_path, 
     with caplog.at_level("WARNING", logger="safestage"):
         _train(output_dir, output_dir / "checkpoint-2", None)  # what resume_from_checkpoint=True does
     assert "resuming at step 2, but" in caplog.text and "was never committed" in caplog.text
+
+
+# -- background publishes (SAFESTAGE_BACKGROUND) on a slow mount ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_hdfs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The kit's hdfs mode with writes paced to 0.5 MB/s: publishing this tiny model (112 kB)
+    takes ~0.2 s, so the Trainer goes on (rotates, ends) while files of a checkpoint are
+    still publishing."""
+    with hostile_mount("hdfs", tmp_path_factory.mktemp("slow-hdfs") / "mnt", mbps=0.5) as mount:
+        yield mount
+
+
+@pytest.mark.regression(
+    "issue 18 item 5: with SAFESTAGE_BACKGROUND=1 a checkpoint the rotation deleted while its files "
+    "were publishing stopped the run (PublishError ENOENT from on_save) and kept a staged copy that "
+    "every later activation warned about, or was committed holding only the files that landed late"
+)
+def test_a_checkpoint_the_rotation_deleted_while_publishing_is_a_warning_and_the_run_goes_on(
+    slow_hdfs, tmp_path, caplog
+):
+    output_dir = fresh_dir(slow_hdfs, "run")
+    root = tmp_path / "scratch"
+    root.mkdir()
+    with safestage.staged(root, torch_save=True):
+        _train(output_dir, None, None)
+    ahead = time.time() + 3600  # the rotation then deletes the checkpoint-2 it has just written
+    for name in ("checkpoint-1", "checkpoint-2", "checkpoint-3"):
+        os.utime(output_dir / name, (ahead, ahead))
+    # background=8: every file of a save may be publishing at once
+    with caplog.at_level("WARNING", logger="safestage"), safestage.staged(root, background=8, torch_save=True):
+        commit, _ = _train(output_dir, output_dir / "checkpoint-1", 2)
+    assert [path.name for path, _, _ in commit.committed] == ["checkpoint-3"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "checkpoint-2" in r.getMessage()]
+    assert warned and all("save_total_limit" in text for text in warned), caplog.text
+    assert os.listdir(root) == []  # no kept copy, so no later activation warns about one
+    # The rotation at step 3 removed what was left of checkpoint-2; the rest is complete.
+    assert sorted(os.listdir(output_dir)) == ["checkpoint-1", "checkpoint-3"]
+    for name in ("checkpoint-1", "checkpoint-3"):
+        result = safestage.verify(output_dir / name, deep=True)
+        assert result.complete, (name, result.problems)
+        assert "trainer_state.json" in {entry.path for entry in result.manifest.files}
+    assert safestage.latest_complete(output_dir) == output_dir / "checkpoint-3"
+    assert not stray_files(output_dir)
+
+
+def _publish_then_remove(checkpoint: Path, file: str, removed: Path) -> None:
+    """A background save of ``checkpoint/file`` whose publish is pending (slow mount) when
+    ``removed`` is deleted, as the Trainer's rotation does (rmtree, ignore_errors)."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(250_000)}, str(checkpoint / file))  # 1 MB: 2 s to publish
+    shutil.rmtree(removed, ignore_errors=True)
+
+
+@pytest.mark.regression(
+    "issue 18 item 5: with SAFESTAGE_BACKGROUND=1 a checkpoint the rotation deleted while its files "
+    "were publishing stopped the run (PublishError ENOENT from on_save) and kept a staged copy that "
+    "every later activation warned about"
+)
+def test_a_publish_that_failed_because_the_rotation_deleted_its_checkpoint_is_a_warning(slow_hdfs, tmp_path, caplog):
+    output_dir = fresh_dir(slow_hdfs, "run")
+    root = tmp_path / "scratch"
+    root.mkdir()
+    checkpoint = output_dir / "checkpoint-2"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text("{}")  # the Trainer's last write before it rotates
+    args, state = _arguments(output_dir, 1), transformers.TrainerState(global_step=2)
+    with caplog.at_level("WARNING", logger="safestage"), safestage.staged(root, background=1):
+        _publish_then_remove(checkpoint, "model.safetensors", checkpoint)
+        CommitCallback().on_save(args, state, transformers.TrainerControl())  # does not raise
+    assert "background publish of" in caplog.text  # the publisher's ERROR: it did fail (ENOENT)
+    assert "checkpoint-2: removed by save_total_limit while model.safetensors was still publishing" in caplog.text
+    assert os.listdir(root) == []  # its staged copy is not kept: no later activation warns
+    assert not checkpoint.exists()
+
+
+@pytest.mark.regression("issue 18 item 5: only a file of a checkpoint the rotation deleted is forgiven")
+def test_a_publish_that_failed_with_enoent_in_a_checkpoint_still_there_is_raised(slow_hdfs, tmp_path):
+    output_dir = fresh_dir(slow_hdfs, "run")
+    root = tmp_path / "scratch"
+    root.mkdir()
+    checkpoint = output_dir / "checkpoint-2"
+    (checkpoint / "shards").mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    args, state = _arguments(output_dir, 1), transformers.TrainerState(global_step=2)
+    with pytest.raises(safestage.PublishError) as raised, safestage.staged(root, background=1):
+        _publish_then_remove(checkpoint, "shards/model.safetensors", checkpoint / "shards")
+        CommitCallback().on_save(args, state, transformers.TrainerControl())
+    assert raised.value.errno == errno.ENOENT
+    assert raised.value.staged_path is not None and os.path.exists(raised.value.staged_path)  # kept, named
+    assert not (checkpoint / safestage.COMMIT_NAME).exists()
+
+
+class _Messages(logging.Handler):
+    """What the Trainer logs (transformers' loggers do not propagate to caplog's root)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.texts.append(record.getMessage())
+
+
+@pytest.mark.regression(
+    "issue 18 item 11: with SAFESTAGE_BACKGROUND=1 and load_best_model_at_end=True the Trainer "
+    "logged a false 'Could not locate the best model': its model.safetensors was still publishing"
+)
+@pytest.mark.parametrize("callback", [True, False], ids=["with-CommitCallback", "without"])
+def test_load_best_model_at_end_in_background_mode_finds_the_best_checkpoint_with_the_callback(
+    callback, slow_hdfs, tmp_path
+):
+    """The best checkpoint is the last one, whose 0.8 MB model.safetensors takes ~2 s to
+    publish here. CommitCallback's on_save waits for it; without the callback nothing does,
+    and the Trainer looks while it is publishing (the documented limit)."""
+    output_dir = fresh_dir(slow_hdfs, "run")
+    root = tmp_path / "scratch"
+    root.mkdir()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    evaluations = iter(range(100))  # each evaluation scores higher: the last checkpoint is the best
+    args = _arguments(
+        output_dir, None, eval_strategy="steps", eval_steps=1, save_only_model=True,
+        load_best_model_at_end=True, metric_for_best_model="evals", greater_is_better=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=transformers.LlamaForCausalLM(config), args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(),
+        compute_metrics=lambda _: {"evals": next(evaluations)}, callbacks=[CommitCallback()] if callback else [],
+    )  # fmt: skip
+    messages = _Messages()
+    trainer_log = logging.getLogger("transformers.trainer")
+    trainer_log.addHandler(messages)
+    level = trainer_log.level
+    trainer_log.setLevel(logging.INFO)
+    try:
+        with safestage.staged(root, background=1):  # SAFESTAGE_BACKGROUND=1, as the start-up hook would
+            trainer.train()
+    finally:
+        trainer_log.removeHandler(messages)
+        trainer_log.setLevel(level)
+    best = output_dir / "checkpoint-3"
+    assert trainer.state.best_model_checkpoint == str(best)
+    lost = [text for text in messages.texts if "Could not locate the best model" in text]
+    if callback:
+        assert lost == [], lost
+        assert any(f"Loading best model from {best}" in text for text in messages.texts), messages.texts
+        assert safestage.verify(best, deep=True).complete
+        weights = load_file(str(best / "model.safetensors"))
+        for name, tensor in trainer.model.state_dict().items():
+            assert torch.equal(weights[name], tensor), name  # the best model is the one loaded
+    else:
+        assert lost, "the Trainer found the best model without the callback: update docs/integrations.md"
