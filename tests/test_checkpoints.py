@@ -630,10 +630,15 @@ def test_deep_verify_checks_safetensors_headers(tmp_path: Path, stage_root: Path
     header["w"]["data_offsets"][1] += 4  # overlaps the next tensor
     raw = json.dumps(header).encode().ljust(length)
     cases["overlap.safetensors"] = data[:8] + raw + data[8 + length :]
-    with safestage.staged_dir(tmp_path / "c", stage_root) as local:
-        for name, content in cases.items():
-            (local / name).write_bytes(content)
-        shutil.copyfile(good, local / "good.safetensors")
+    # staged_dir and commit_in_place refuse such files: a commit file written here vouches for them.
+    from safestage._manifest import FileEntry, new_manifest
+
+    (tmp_path / "c").mkdir()
+    cases_and_good = {**cases, "good.safetensors": data}
+    for name, content in cases_and_good.items():
+        (tmp_path / "c" / name).write_bytes(content)
+    entries = [FileEntry(name, len(content), f"{zlib.crc32(content):08x}") for name, content in sorted(cases_and_good.items())]
+    (tmp_path / "c" / COMMIT_NAME).write_bytes(new_manifest(entries, [], "test").encode())
     found = dict(kinds(tmp_path / "c", deep=True))
     assert found == dict.fromkeys(cases, "safetensors"), safestage.verify(tmp_path / "c", deep=True).problems
 
