@@ -106,6 +106,14 @@ class BackgroundPublisher:
         with self._condition:
             self._condition.wait_for(lambda: not self._publishing(dest))
 
+    def settle_under(self, directory: Path) -> None:
+        """Wait until no publish of a file under ``directory`` is pending: a checkpoint
+        committed there must not have an older save land in it after its commit file."""
+        with self._condition:
+            self._condition.wait_for(
+                lambda: not any(directory in dest.parents for dest, _ in self._pending.values())
+            )
+
     def running(self, owner: object) -> list[Future[object]]:
         """``owner``'s publishes not finished yet."""
         with self._condition:
@@ -227,6 +235,13 @@ def end_threads() -> None:
     current = _publisher
     if current is not None and current.pid == os.getpid():
         current.end_threads()
+
+
+def settle_under(directory: Path) -> None:
+    """Wait for any background publish of a file under ``directory`` in this process."""
+    current = _publisher
+    if current is not None and current.pid == os.getpid():
+        current.settle_under(directory)
 
 
 def _complete_at_exit() -> None:

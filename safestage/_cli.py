@@ -168,9 +168,11 @@ def _parser() -> argparse.ArgumentParser:
     clean = commands.add_parser(
         "clean",
         help="remove safestage's leftovers whose process is gone",
-        description="Remove, among the entries of PATH (not recursively), safestage's temp "
-        "files, staging directories and doctor probe directories whose owner process is gone. "
-        "Nothing else is ever touched.",
+        description="Remove safestage's leftovers whose owner process is gone: among the "
+        "entries of PATH, its temp files, staging directories and doctor probe directories; in "
+        "every subdirectory of PATH (a run directory's checkpoints, theirs), its temp files. "
+        "Symlinks are never followed, nothing else is ever touched. A kept copy is listed with "
+        "the destination it was for.",
     )
     clean.add_argument(
         "path", metavar="PATH", type=Path, help="a destination directory or a staging root"
@@ -781,7 +783,7 @@ def _clean(args: argparse.Namespace) -> int:
     if error is not None:
         return error
     try:
-        entries = clean(args.path, dry_run=args.dry_run, older_than=args.older_than)
+        entries = clean(args.path, dry_run=args.dry_run, older_than=args.older_than, recursive=True)
     except OSError as exc:
         print(f"safestage clean: cannot list {args.path}: [Errno {exc.errno}] {exc.strerror}", file=sys.stderr)
         return 1
@@ -802,7 +804,9 @@ def _clean(args: argparse.Namespace) -> int:
         if entries:
             _table(
                 [
-                    (entry.action, f"{entry.name}  {KINDS[entry.kind]}: {entry.reason}")
+                    (entry.action, f"{entry.name}  {KINDS[entry.kind]}: {entry.reason}"
+                     + (f" (a copy for {entry.destination})"
+                        if entry.destination and entry.destination not in entry.reason else ""))
                     for entry in entries
                 ],
                 indent="",

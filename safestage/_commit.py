@@ -8,16 +8,22 @@ looks complete and is not, and no destination we serve can fix that with a direc
 1. the block writes the checkpoint into a fresh local directory (in a save directory
    under the staging root, locked, 0700, from ``_save``); saves into it are not staged
    a second time;
-2. on success, the destination's commit file is removed first, so that a commit killed
-   half-way can never leave an old commit file vouching for a mix of old and new files;
+2. on success, pending background publishes of files under the destination land first;
+   everything that can refuse the commit is found before the destination is touched (what
+   the block left, what is in the way at the destination); only then is the destination's
+   commit file removed, so that a commit killed half-way can never leave an old commit
+   file vouching for a mix of old and new files, and the temp files killed commits left
+   there (subdirectories too) go;
 3. every file is published by ``_publish.publish_file`` (rename / replace / direct, size
    verified, modes as for every save), ``background`` files at once (default 2), its CRC-32
    computed while it is copied;
 4. the commit file (``_manifest``) is published last, atomically where the destination can
    rename (replace), direct where it cannot (an object store shows it only once complete).
 
-A failure keeps the local copy and says which files landed; the commit file is never
-written then, so ``verify`` and ``latest_complete`` see an incomplete checkpoint.
+A refusal (step 2) removes the local copy: refused as it is, it would be refused again. A
+failure keeps the local copy, with a record of what it is for (``_stage.record_kept``), and
+says which files landed; the commit file is never written then, so ``verify`` and
+``latest_complete`` see an incomplete checkpoint.
 
 The local directory's life, as sweeps and `safestage clean` see it (``_names``): it carries
 ``safestage-disposable`` while the block writes (a process killed then leaves nothing worth
@@ -40,16 +46,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Callable, NoReturn, Optional, Union
 
-from . import _config, _patch, _save
+from . import _background, _config, _patch, _save
+from ._clean import remove_dead_temps
 from ._config import BACKGROUND_ON, PathArg, Publish, Settings
 from ._errors import PublishError
 from ._interrupts import deferred
 from ._lifecycle import start_worker
 from ._manifest import COMMIT_NAME, Crc32, FileEntry, Manifest, new_manifest, unsafe_path
-from ._names import DISPOSABLE_MARKER, is_writer_temp
+from ._names import DISPOSABLE_MARKER, KEPT_RECORD, is_writer_temp, parse_temp_name
 from ._paths import real_directory
 from ._publish import Digest, Published, fsync_directory, publish_file
-from ._stage import PublishRecord, SaveDir, StagingRoot, remove_tree
+from ._stage import PublishRecord, SaveDir, StagingRoot, record_kept, remove_tree
 
 log = logging.getLogger("safestage")
 
@@ -104,6 +111,7 @@ class StagedDir:
         self._staging: Optional[StagingRoot] = None
         self._private: Optional[SaveDir] = None
         self._state = "new"
+        self._removed_commit = False  # the destination's previous commit file is gone
 
     def __enter__(self) -> Path:
         if self._state != "new":
@@ -150,11 +158,22 @@ class StagedDir:
         started = time.perf_counter()
         published: dict[str, Published] = {}
         manifest: Optional[Manifest] = None
+        tree: Optional[_Tree] = None
         try:
+            try:  # everything that refuses the commit, before the destination is touched
+                tree = _scan(local, dest)
+                _check_destination(dest, tree)
+            except PublishError:
+                with deferred():  # refused as it is, it would be refused again: not kept
+                    _discard(private, local)
+                raise
+            files = [path for path, _ in tree.files]
+            record_kept(private.path, dest, local, left=files, landed=[], commit_file=True)
             with contextlib.suppress(FileNotFoundError):  # from here on it may be the only copy
                 os.unlink(private / DISPOSABLE_MARKER)
-            tree = _scan(local, dest)
-            created = _prepare_destination(dest, tree, local, self.settings.fsync)
+            # An older background save of a file in it lands now, never after the commit file.
+            _background.settle_under(dest)
+            created, self._removed_commit = _prepare_destination(dest, tree, local, self.settings.fsync)
             self._publish_files(tree, local, published, created)
             manifest = new_manifest(
                 [FileEntry(path, published[path].nbytes, published[path].digest or "")
@@ -169,7 +188,11 @@ class StagedDir:
                 self._finish(private, local, manifest)
                 _note(exc, f"safestage: interrupted after {dest} was committed (it is complete)")
                 raise
-            private.release()  # the local copy stays: what it holds is never swept
+            if tree is not None:  # the local copy stays, saying what is left: never swept
+                left = [path for path, _ in tree.files if path not in published]
+                record_kept(private.path, dest, local, left=left, landed=list(published),
+                            commit_file=True, error=exc)  # fmt: skip
+            private.release()
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
                 _note(exc, _kept_text(dest, local, published))
             raise
@@ -222,19 +245,16 @@ class StagedDir:
             raise interrupt
         failures = [(path, work.errors[path]) for path in order if path in work.errors]
         if failures:
-            raise _partial_error(dest, local, order, published, failures) from failures[0][1]
+            raise _partial_error(dest, local, order, published, failures, self._removed_commit) from failures[0][1]
 
     def _publish_one(
         self, local: Path, created: set[Path], path: str, digest: Callable[[], Digest]
     ) -> Published:
         dest = self.dest
         assert dest is not None and self._staging is not None
-        target = dest / path
-        if target.parent not in created:  # a lookup saved per file (~26 ms each on s3fs)
-            _refuse_symlink(target, dest, local)
-        return publish_file(
+        return publish_file(  # what was in the way was refused before (_check_destination)
             local / path,
-            target,
+            dest / path,
             publish=self.settings.publish,
             fsync=self.settings.fsync,
             staging_device=self._staging.device,
@@ -248,8 +268,6 @@ class StagedDir:
         assert dest is not None and self._staging is not None
         target = dest / COMMIT_NAME
         try:
-            if dest not in created:
-                _refuse_symlink(target, dest, local)
             result = publish_manifest(manifest, private, dest, self.settings, self._staging.device)
         except OSError as exc:
             landed = tuple(sorted(path for path, _ in tree.files))
@@ -257,8 +275,8 @@ class StagedDir:
                 exc.errno,
                 f"safestage could not commit {dest}: all {len(landed)} files landed, but the "
                 f"commit file {COMMIT_NAME} could not be written ({exc}). {dest} is therefore "
-                f"not complete (verify and latest_complete say so). Commit again; the local "
-                f"copy is kept at {local}.",
+                f"not complete{_previous(self._removed_commit, ' (the previous commit file was removed first)')} "
+                f"(verify and latest_complete say so). Commit again; the local copy is kept at {local}.",
                 str(target),
                 staged_path=str(local),
                 step="commit",
@@ -433,40 +451,95 @@ def destination_directory(dest: PathArg) -> Path:
     return parent / name
 
 
-def _prepare_destination(dest: Path, tree: _Tree, local: Path, fsync: bool) -> set[Path]:
-    """Create ``dest`` and its subdirectories, and remove its commit file first of all.
-    Returns the directories this call created (nothing in them can be in the way)."""
+def _check_destination(dest: Path, tree: _Tree) -> None:
+    """Refuse, before the previous commit is touched, what is in the way at ``dest``: where
+    the checkpoint has a directory, anything but a directory; where it has a file, anything
+    but a regular file (a directory cannot be replaced; a symlink could make ``direct``
+    write outside the checkpoint, and the rule does not depend on the mount); a directory
+    where the commit file goes. One listing per directory that exists there already."""
+    wanted: dict[str, dict[str, str]] = {"": {COMMIT_NAME: "commit"}}
+    for directory in tree.directories:
+        parent, _, name = directory.rpartition("/")
+        wanted.setdefault(parent, {})[name] = "directory"
+    for path, _ in tree.files:
+        parent, _, name = path.rpartition("/")
+        wanted.setdefault(parent, {})[name] = "file"
+    queue = [""]
+    while queue:
+        relative = queue.pop()
+        here = dest / relative if relative else dest
+        try:
+            with os.scandir(here) as listing:
+                present = {entry.name: entry for entry in listing if entry.name in wanted.get(relative, {})}
+        except OSError:
+            continue  # missing (made by this commit), or unreadable: the publish itself decides
+        for name, entry in sorted(present.items()):
+            want = wanted[relative][name]
+            path = f"{relative}/{name}" if relative else name
+            if entry.is_symlink():
+                have = "a symlink"
+            elif entry.is_dir(follow_symlinks=False):
+                have = "a directory"
+            elif entry.is_file(follow_symlinks=False):
+                have = "a file"
+            else:
+                have = "a FIFO, socket or device"
+            if want == "directory" and have == "a directory":
+                queue.append(path)
+            elif want == "commit" and have != "a directory":
+                pass  # a file, or anything the invalidation's unlink removes
+            elif want == "file" and have == "a file":
+                pass
+            else:
+                where = {"directory": "a directory", "file": "a file"}.get(want, "its commit file")
+                raise _refusal(
+                    dest, tree, dest / path, f"is {have} where the checkpoint has {where}"
+                    + (" (staged_dir never writes through a symlink: it could point outside the "
+                       "checkpoint)" if have == "a symlink" else "")
+                    + ". Remove it from the destination", errno.ENOTDIR if want == "directory"
+                    else errno.EISDIR if have == "a directory" else errno.EINVAL, step="inspect",
+                )  # fmt: skip
+
+
+def _prepare_destination(dest: Path, tree: _Tree, local: Path, fsync: bool) -> tuple[set[Path], bool]:
+    """Create ``dest`` and its subdirectories. Before anything is written there, remove its
+    commit file and the temp files of killed commits (at any depth). Returns the directories
+    this call created and whether a previous commit file was removed."""
     step = "mkdir"
     created: set[Path] = set()
+    removed = False
     try:
-        if _make_directory(dest, dest, local):
+        if _make_directory(dest):
             created.add(dest)
         else:
             step = "invalidate"
-            invalidate(dest, fsync=fsync)
+            removed = invalidate(dest, fsync=fsync)
             step = "mkdir"
+            remove_dead_temps(dest)  # a re-commit: what killed commits left goes now
         for directory in tree.directories:
-            if _make_directory(dest / directory, dest, local):
+            if _make_directory(dest / directory):
                 created.add(dest / directory)
-    except PublishError:
-        raise
     except OSError as exc:
-        what = (
-            f"could not remove the previous commit file {dest / COMMIT_NAME}"
-            if step == "invalidate"
-            else f"could not create directory {exc.filename or dest}"
-        )
+        if step == "invalidate":
+            what = f"could not remove the previous commit file {dest / COMMIT_NAME}"
+            state = "Nothing was published; the previous commit is untouched."
+        else:
+            what = f"could not create directory {exc.filename or dest}"
+            state = "Nothing was published" + _previous(
+                removed, f", but the previous commit file was removed first: {dest} is not complete "
+                "until a commit succeeds (verify and latest_complete say so)"
+            ) + "."
         raise PublishError(
             exc.errno,
             f"safestage could not commit {dest}: {what}: [Errno {exc.errno}] {exc.strerror}. "
-            f"Nothing was published. The checkpoint is kept at {local}.",
+            f"{state} The checkpoint is kept at {local}.",
             str(dest),
             staged_path=str(local),
             step=step,
             landed=(),
             not_landed=tuple(sorted(path for path, _ in tree.files)),
         ) from exc
-    return created
+    return created, removed
 
 
 def invalidate(dest: Path, *, fsync: bool) -> bool:
@@ -504,7 +577,7 @@ def publish_manifest(
     )
 
 
-def _make_directory(path: Path, dest: Path, local: Path) -> bool:
+def _make_directory(path: Path) -> bool:
     """mkdir ``path``: True if this made it, False if a real directory was there already."""
     try:
         os.mkdir(path)
@@ -512,38 +585,31 @@ def _make_directory(path: Path, dest: Path, local: Path) -> bool:
     except FileExistsError:
         pass
     info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode):
+    if not stat.S_ISDIR(info.st_mode):  # appeared since _check_destination looked
         kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a directory"
-        raise PublishError(
-            errno.ENOTDIR,
-            f"safestage could not commit {dest}: {path} is {kind}, where the checkpoint has a "
-            f"directory; staged_dir never writes through a symlink (it could point outside "
-            f"the checkpoint). Remove it and commit again. Nothing was published; the "
-            f"checkpoint is kept at {local}.",
-            str(path),
-            staged_path=str(local),
-            step="mkdir",
-            landed=(),
-        )
+        raise NotADirectoryError(errno.ENOTDIR, f"it is {kind}, where the checkpoint has a directory", str(path))
     return False
 
 
-def _refuse_symlink(target: Path, dest: Path, local: Path) -> None:
-    """A symlink where a file of the checkpoint goes could make ``direct`` write outside the
-    checkpoint: refused for every strategy, so that the rule does not depend on the mount."""
-    try:
-        info = os.lstat(target)
-    except OSError:
-        return  # missing (a new file) or unreadable: publish_file decides
-    if stat.S_ISLNK(info.st_mode):
-        raise PublishError(
-            errno.ELOOP,
-            f"safestage will not publish {target}: it is a symlink (it could point outside "
-            f"the checkpoint {dest}). Remove it and commit again; the file is kept in {local}.",
-            str(target),
-            staged_path=str(local),
-            step="inspect",
-        )
+def _refusal(dest: Path, tree: Optional[_Tree], path: Path, problem: str, code: int, *, step: str) -> PublishError:
+    """A commit refused before the destination was touched. The local copy is removed (the
+    caller does): refused as it is, it would be refused again, and kept copies that nobody
+    can commit would pile up in the staging root."""
+    return PublishError(
+        code,
+        f"safestage will not commit {dest}: {path} {problem}. Nothing was published; the "
+        f"previous commit, if any, is untouched. The local copy was removed: fix this and "
+        f"save the checkpoint again.",
+        str(path),
+        step=step,
+        landed=(),
+        not_landed=None if tree is None else tuple(sorted(p for p, _ in tree.files)),
+    )
+
+
+def _previous(removed: bool, text: str = " and the previous commit file was removed first") -> str:
+    """What an error after the invalidation says about the previous commit, if there was one."""
+    return text if removed else ""
 
 
 # -- the local directory ------------------------------------------------------------------------
@@ -553,7 +619,7 @@ def _local_name(name: str) -> str:
     """The local directory is named like the destination, for people reading a PublishError
     (the destination "/" has no name)."""
     # Never a name a sweep could take for safetensors' torn temp (.tmpXXXXXX), as local_name.
-    if name in ("", DISPOSABLE_MARKER, _STAGED_COMMIT) or is_writer_temp(name):
+    if name in ("", DISPOSABLE_MARKER, KEPT_RECORD, _STAGED_COMMIT) or is_writer_temp(name):
         return f"{name}.dir"
     return name
 
@@ -573,20 +639,36 @@ def _mark_disposable(private: SaveDir) -> None:
 def _scan(local: Path, dest: Path) -> _Tree:
     """Every file and directory the block left, without following anything. Refused, before
     anything is published: symlinks (they could point anywhere, and object stores cannot
-    hold one), FIFOs, sockets and devices, and a top-level file named like the commit file."""
+    hold one), FIFOs, sockets and devices, an entry at the top named like the commit file,
+    names of safestage's temp files (a re-commit would remove them), and a ``.safetensors``
+    file that is not one (``verify --deep`` would reject the fresh checkpoint: the rule
+    ``commit_in_place`` follows)."""
     try:
-        return _walk(local, dest)
+        tree = _walk(local, dest)
+        for path, size in tree.files:
+            if path.endswith(".safetensors"):
+                problem = _not_safetensors(local / path, size)
+                if problem is not None:
+                    raise _refusal(dest, tree, local / path, f"is not a complete safetensors file: {problem}",
+                                   errno.EBADMSG, step="scan")  # fmt: skip
+        return tree
+    except PublishError:
+        raise
     except OSError as exc:  # a directory the block left unreadable, say
-        raise PublishError(
-            exc.errno,
-            f"safestage will not commit {dest}: cannot read {exc.filename or local}: "
-            f"[Errno {exc.errno}] {exc.strerror}. Nothing was published; the checkpoint is "
-            f"kept at {local}.",
-            exc.filename if isinstance(exc.filename, str) else str(local),
-            staged_path=str(local),
-            step="scan",
-            landed=(),
-        ) from exc
+        raise _refusal(
+            dest, None, Path(os.fsdecode(exc.filename)) if exc.filename else local,
+            f"cannot be read: [Errno {exc.errno}] {exc.strerror}", exc.errno or errno.EIO, step="scan",
+        ) from exc  # fmt: skip
+
+
+def _not_safetensors(path: Path, size: int) -> Optional[str]:
+    from ._verify import safetensors_problem
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        return safetensors_problem(fd, size)
+    finally:
+        os.close(fd)
 
 
 def _walk(local: Path, dest: Path) -> _Tree:
@@ -602,26 +684,20 @@ def _walk(local: Path, dest: Path) -> _Tree:
             path = f"{relative}/{entry.name}" if relative else entry.name
             info = entry.stat(follow_symlinks=False)
             problem = unsafe_path(path)
+            if problem is not None:
+                problem = f"{problem}: that name is safestage's commit file, choose another"
+            elif parse_temp_name(entry.name) is not None and stat.S_ISREG(info.st_mode):
+                problem = "is named like a safestage temp file (a re-commit would remove it): choose another name"
             if stat.S_ISLNK(info.st_mode):
                 problem = "is a symlink: copy the file it points to instead"
-            elif stat.S_ISDIR(info.st_mode):
+            elif stat.S_ISDIR(info.st_mode) and problem is None:
                 tree.directories.append(path)
                 stack.append((path, Path(entry.path)))
                 continue
-            elif not stat.S_ISREG(info.st_mode):
+            elif not stat.S_ISDIR(info.st_mode) and not stat.S_ISREG(info.st_mode):
                 problem = "is not a regular file or directory (a FIFO, socket or device)"
-            elif problem is not None:
-                problem = f"{problem}: that name is safestage's commit file, choose another"
             if problem is not None:
-                raise PublishError(
-                    errno.EINVAL,
-                    f"safestage will not commit {dest}: {entry.path} {problem}. Nothing was "
-                    f"published; the checkpoint is kept at {local}.",
-                    entry.path,
-                    staged_path=str(local),
-                    step="scan",
-                    landed=(),
-                )
+                raise _refusal(dest, None, Path(entry.path), problem, errno.EINVAL, step="scan")
             tree.files.append((path, info.st_size))
     tree.directories.sort(key=lambda path: (path.count("/"), path))
     return tree
@@ -636,6 +712,7 @@ def _partial_error(
     order: list[str],
     published: dict[str, Published],
     failures: list[tuple[str, BaseException]],
+    removed_commit: bool,
 ) -> BaseException:
     path, first = failures[0]
     if not isinstance(first, OSError):
@@ -646,7 +723,8 @@ def _partial_error(
         first.errno,
         f"safestage could not commit {dest}: {len(landed)} of {len(order)} files landed "
         f"({_some(landed)}), {len(missing)} did not ({_some(missing)}). No commit file was "
-        f"written: {dest} is not complete (verify and latest_complete say so). Every file "
+        f"written{_previous(removed_commit)}: {dest} is not complete (verify and latest_complete "
+        f"say so). Every file "
         f"that did not land is kept in {local}; commit again. First error, for {path}: {first}",
         str(dest),
         staged_path=str(local),

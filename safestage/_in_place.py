@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import _config, _save
+from . import _background, _config, _save
+from ._clean import remove_dead_temps
 from ._commit import _version, invalidate, publish_manifest
 from ._config import PathArg, Publish
 from ._errors import PublishError
@@ -38,9 +39,11 @@ def commit_in_place(
     """Commit a checkpoint directory that another writer has already filled at its
     destination (the transformers Trainer writing ``checkpoint-N``, one process per rank):
 
-    1. the directory's commit file, if any, is removed first (fsync'ed), so that from here
-       until the new one lands the directory is not complete;
-    2. temp files of safestage writers that are gone (``safestage clean``'s rules) are removed;
+    1. pending background publishes of files under it (this process's) land first; then the
+       directory's commit file, if any, is removed (fsync'ed), so that from here until the new
+       one lands the directory is not complete;
+    2. temp files of safestage writers that are gone (``safestage clean``'s rules), in it and
+       in its subdirectories, are removed;
     3. every file is read back from the destination: its size and CRC-32 go into the manifest;
        a ``.safetensors`` file's header must parse and its tensors cover the data exactly, a
        ``.json`` file must parse, and every file a ``*.index.json`` weight map names must be
@@ -63,6 +66,7 @@ def commit_in_place(
             step="inspect",
         )
     started = time.perf_counter()
+    _background.settle_under(dest)  # what this process still publishes there lands first
     try:
         invalidate(dest, fsync=settings.fsync)
     except OSError as exc:
@@ -73,8 +77,8 @@ def commit_in_place(
             str(dest / COMMIT_NAME),
             step="invalidate",
         ) from exc
-    _remove_dead_temps(dest)
-    files, empty = _scan_in_place(dest)
+    staying = remove_dead_temps(dest)
+    files, empty = _scan_in_place(dest, staying)
     entries, problems = _read_back(dest, files)
     if problems:
         raise PublishError(
@@ -108,25 +112,11 @@ def commit_in_place(
     return manifest
 
 
-def _remove_dead_temps(dest: Path) -> None:
-    """Temp files a killed safestage writer left in ``dest`` (a Trainer rewriting a torn
-    ``checkpoint-N`` after a resume): removed by the rules of ``safestage clean`` (the owner
-    on this host is gone and holds no lock); those it cannot judge stay, outside the commit."""
-    from ._clean import clean
-
-    try:
-        entries = clean(dest)
-    except OSError as exc:  # the commit does not depend on it
-        log.warning("%s: could not look for dead temp files: %s", dest, exc)
-        return
-    for entry in entries:
-        log.debug("%s: %s", dest, entry.to_json())
-
-
-def _scan_in_place(dest: Path) -> tuple[list[tuple[str, int]], list[str]]:
+def _scan_in_place(dest: Path, staying: dict[str, str]) -> tuple[list[tuple[str, int]], list[str]]:
     """The files of the checkpoint at ``dest`` (relative paths, sizes) and its empty
-    directories. Not part of it: the commit file, safestage's temp files (a live writer's,
-    logged) and safetensors' own temp files. Refused: symlinks, FIFOs, sockets, devices."""
+    directories. Not part of it: the commit file, safestage's temp files (those that stay,
+    logged with the reason from ``staying``) and safetensors' own temp files. Refused:
+    symlinks, FIFOs, sockets, devices."""
     files: list[tuple[str, int]] = []
     empty: list[str] = []
     stack = [("", dest)]
@@ -150,7 +140,8 @@ def _scan_in_place(dest: Path) -> tuple[list[tuple[str, int]], list[str]]:
             if path == COMMIT_NAME:
                 continue
             if parse_temp_name(entry.name) is not None or is_writer_temp(entry.name):
-                log.warning("%s: %s is a temp file of a writer that may still run: not committed", dest, path)
+                why = staying.get(path, "its writer may still run")
+                log.warning("%s: %s is a temp file not committed (%s)", dest, path, why)
                 continue
             info = entry.stat(follow_symlinks=False)
             problem = unsafe_path(path)

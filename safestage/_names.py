@@ -60,6 +60,10 @@ _WRITER_TEMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}\Z")
 # `safestage clean` remove such a directory of a dead owner whatever else it holds.
 DISPOSABLE_MARKER = "safestage-disposable"
 
+# What a kept copy is for, beside it in its private staging directory (JSON: the destination,
+# the local name, what was left to publish): `safestage clean` shows it, recover reads it.
+KEPT_RECORD = "safestage-kept.json"
+
 
 @dataclass(frozen=True)
 class Owner:
@@ -94,8 +98,9 @@ def doctor_dir_name() -> str:
 def local_name(final_name: str) -> str:
     """The name a save is staged under in its private directory: the final name, unless
     that looks like safetensors' own temp file (then a sweep would take the only complete
-    copy for a torn write)."""
-    return f"{final_name}.staged" if is_writer_temp(final_name) else final_name
+    copy for a torn write) or is one of the names safestage itself puts there."""
+    reserved = is_writer_temp(final_name) or final_name in (DISPOSABLE_MARKER, KEPT_RECORD)
+    return f"{final_name}.staged" if reserved else final_name
 
 
 def is_writer_temp(name: str) -> bool:

@@ -316,7 +316,7 @@ def _check_written(copy: LocalCopy) -> None:
 
 def destination(dest: PathArg) -> Path:
     """The kernel's path of ``dest`` (see _paths), or the error a plain open would give."""
-    text = os.fspath(dest)
+    text = os.fsdecode(dest)  # a bytes path, as open() and staged_dir take (undecodable bytes too)
     target = resolve_destination(text)
     if target is not None:
         return target

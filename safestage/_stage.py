@@ -8,6 +8,7 @@ world-writable root safe: nobody else can plant a file or symlink inside it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -26,7 +27,7 @@ from ._interrupts import deferred
 from ._lifecycle import start_worker
 from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
-from ._names import local_name, parse_stage_dir, save_dir_name
+from ._names import KEPT_RECORD, local_name, parse_stage_dir, save_dir_name
 from ._paths import real_directory
 from ._publish import (
     Published,
@@ -592,9 +593,54 @@ def publish_local(
     return record
 
 
+def record_kept(
+    save_dir: Path,
+    dest: Path,
+    local: Path,
+    *,
+    left: list[str],
+    landed: list[str],
+    commit_file: bool,
+    error: Optional[BaseException] = None,
+) -> None:
+    """Write what the copy kept in ``save_dir`` is for (``_names.KEPT_RECORD``, JSON): its
+    destination, the local file or directory, the paths (relative to it) still to publish,
+    those that landed, and whether a commit file is still to write. `safestage clean` shows
+    the destination; a recover reads the rest. Best effort: a full staging root must not
+    hide the error that kept the copy (the error names the copy itself)."""
+    import json
+
+    document = {
+        "format": "safestage.kept",
+        "version": 1,
+        "destination": str(dest),
+        "local": local.name,
+        "kind": "directory" if commit_file else "file",
+        "left": sorted(left),
+        "landed": sorted(landed),
+        "commit_file": commit_file,
+        "error": None if error is None else str(error),
+        "time": time.time(),
+    }
+    # The part file is named like safetensors' torn temp: a sweep knows it is no copy.
+    record, part = save_dir / KEPT_RECORD, save_dir / ".tmpkeptjs"
+    try:
+        with open(part, "w", encoding="utf-8", errors="surrogateescape") as handle:
+            json.dump(document, handle, indent=1)
+        os.replace(part, record)  # a kill meanwhile leaves the previous record whole
+    except (OSError, ValueError) as exc:
+        log.debug("could not record what %s is for: %s", local, exc)
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+
+
 def keep_unpublished(item: LocalCopy, exc: BaseException) -> None:
     """The publish of ``item`` did not happen: its complete copy stays where it is (never
-    swept, see _clean); an error says where itself, an interrupt gets a note that does."""
+    swept, see _clean), recording its destination; an error says where itself, an interrupt
+    gets a note that does."""
+    if item.path.exists():
+        record_kept(item.save_dir.path, item.dest, item.path, left=[item.path.name], landed=[],
+                    commit_file=False, error=exc)  # fmt: skip
     item.save_dir.release()
     if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
         _note_kept_copy(exc, item)

@@ -314,12 +314,10 @@ def check_leftovers(dest: Destination, run: Run, new_seed: int, tally: Tally) ->
         else:
             tally.removed += 1
     assert os.listdir(dest.root) == []
-    if checkpoint.exists():
-        for directory in (checkpoint, checkpoint / "state"):
-            if directory.exists():
-                for entry in retrying(lambda d=directory: clean(d)):
-                    assert entry.kind == "temp" and entry.action == "removed", entry
-                    tally.removed += 1
+    if checkpoint.exists():  # `safestage clean RUN`: into every checkpoint, subdirectories too
+        for entry in retrying(lambda: clean(dest.parent, recursive=True)):
+            assert entry.kind == "temp" and entry.action == "removed", entry
+            tally.removed += 1
         strays = [p for p in checkpoint.rglob("*") if parse_temp_name(p.name) or p.name.startswith(".tmp")]
         assert not strays, strays
     return phase

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 import safestage
 from safestage import COMMIT_NAME, PublishError
-from safestage._names import DISPOSABLE_MARKER, parse_stage_dir, parse_temp_name
+from safestage._names import DISPOSABLE_MARKER, HOST, KEPT_RECORD, parse_stage_dir, parse_temp_name
 
 # -- a checkpoint, and what it must look like at the destination --------------------------------
 
@@ -317,8 +317,21 @@ def test_staged_dir_is_single_use(tmp_path: Path, stage_root: Path) -> None:
 # -- refused trees: nothing published, the previous commit untouched, the copy kept ---------------
 
 
-@pytest.mark.parametrize("what", ["symlink-file", "symlink-dir", "fifo", "commit-name"])
-def test_refused_entries(tmp_path: Path, stage_root: Path, what: str) -> None:
+REFUSED = {  # what the block leaves -> (errno, what the error must say)
+    "symlink-file": (errno.EINVAL, "is a symlink: copy the file it points to instead"),
+    "symlink-dir": (errno.EINVAL, "is a symlink: copy the file it points to instead"),
+    "fifo": (errno.EINVAL, "is not a regular file or directory (a FIFO, socket or device)"),
+    "commit-name": (errno.EINVAL, "that name is safestage's commit file, choose another"),
+    "commit-name-dir": (errno.EINVAL, "that name is safestage's commit file, choose another"),
+    "not-safetensors": (errno.EBADMSG, "empty.safetensors is not a complete safetensors file"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(REFUSED))
+@pytest.mark.regression("issue 18 items 7, 9, 10, 11: a bad entry showed [Errno 22] Invalid argument, "
+                        "a *.safetensors that is not one was committed, a directory named like the commit "
+                        "file was accepted, and every refused commit piled up as a kept copy")
+def test_a_refused_block_publishes_nothing_says_why_and_keeps_no_copy(tmp_path: Path, stage_root: Path, what: str) -> None:
     dest = tmp_path / "c"
     with safestage.staged_dir(dest, stage_root) as local:
         old = write_checkpoint(local, 1)
@@ -330,16 +343,99 @@ def test_refused_entries(tmp_path: Path, stage_root: Path, what: str) -> None:
             os.symlink("/etc", local / "etc")
         elif what == "fifo":
             os.mkfifo(local / "pipe")
-        else:
+        elif what == "commit-name":
             (local / COMMIT_NAME).write_text("{}")
+        elif what == "commit-name-dir":
+            (local / COMMIT_NAME).mkdir()
+            (local / COMMIT_NAME / "x.bin").write_bytes(b"x")
+        else:
+            (local / "state" / "empty.safetensors").write_bytes(b"")
     error = info.value
-    assert error.step == "scan" and error.landed == () and error.errno == errno.EINVAL
-    assert "Nothing was published" in str(error)
+    expected_errno, why = REFUSED[what]
+    assert error.step == "scan" and error.landed == () and error.errno == expected_errno, error
+    assert why in str(error) and "Errno 22" not in str(error), str(error)  # the real reason, not __cause__'s
+    assert "Nothing was published" in str(error) and "previous commit" in str(error)
     assert_committed(dest, old)  # refused before the previous commit was touched
-    kept = Path(error.staged_path)  # type: ignore[arg-type]
-    assert kept.is_dir() and (kept / "config.json").exists() and str(kept) in str(error)
-    assert not (kept.parent / DISPOSABLE_MARKER).exists()  # a complete copy: never swept
-    shutil.rmtree(kept.parent)
+    # Refused as it is, it would be refused again: no kept copy piles up in the staging root.
+    assert error.staged_path is None and leftovers(stage_root) == []
+    assert "local copy was removed" in str(error), str(error)
+
+
+def test_a_staged_dir_commit_of_a_safetensors_file_is_deep_verified(tmp_path: Path, stage_root: Path) -> None:
+    """One rule for *.safetensors files: what staged_dir commits, verify --deep accepts."""
+    with safestage.staged_dir(tmp_path / "checkpoint-1", stage_root) as local:
+        write_checkpoint(local, 1)
+    assert safestage.latest_complete(tmp_path, deep=True) == tmp_path / "checkpoint-1"
+
+
+def _plant_file(dest: Path, relative: str, data: bytes = b"old") -> None:
+    (dest / relative).parent.mkdir(parents=True, exist_ok=True)
+    (dest / relative).write_bytes(data)
+
+
+RECOMMIT_CONFLICTS = ["directory-where-a-file-is", "file-where-a-directory-is", "file-where-a-symlink-is",
+                      "directory-where-a-symlink-is", "file-where-a-fifo-is"]  # fmt: skip
+
+
+@pytest.mark.parametrize("what", RECOMMIT_CONFLICTS)
+@pytest.mark.parametrize("publish", ["replace", "direct"])
+@pytest.mark.regression("issue 18 item 4: a re-commit refused for a type conflict had already removed "
+                        "the previous commit file (and overwritten files), and said 'Nothing was published'")
+def test_a_recommit_refused_for_what_is_in_the_way_leaves_the_previous_commit_complete(
+    tmp_path: Path, stage_root: Path, what: str, publish: str
+) -> None:
+    dest = tmp_path / "c"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.bin").write_bytes(b"keep")
+    with safestage.staged_dir(dest, stage_root) as local:
+        old = write_checkpoint(local, 1)
+    if what == "directory-where-a-file-is":
+        _plant_file(dest, "logs")
+    elif what == "file-where-a-directory-is":
+        _plant_file(dest, "logs/inner.txt")
+    elif what == "file-where-a-symlink-is":
+        os.symlink(outside / "victim.bin", dest / "logs")
+    elif what == "directory-where-a-symlink-is":
+        os.symlink(outside, dest / "logs")
+    else:
+        os.mkfifo(dest / "logs")
+    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, stage_root, publish=publish) as local:  # type: ignore[arg-type]
+        write_checkpoint(local, 2)  # larger files than logs: published first, were it not refused
+        if what.startswith("directory"):
+            (local / "logs").mkdir()
+            (local / "logs" / "run.txt").write_text("new")
+        else:
+            (local / "logs").write_text("new")
+    error = info.value
+    assert error.landed == () and str(dest / "logs") in str(error), str(error)
+    assert "Nothing was published" in str(error) and "previous commit" in str(error) and "untouched" in str(error)
+    assert (outside / "victim.bin").read_bytes() == b"keep" and os.listdir(outside) == ["victim.bin"]
+    result = safestage.verify(dest, deep=True)
+    assert result.complete, result.problems  # the previous commit still vouches for its files
+    for relative, data in old.items():
+        assert (dest / relative).read_bytes() == data, relative
+    assert error.staged_path is None and leftovers(stage_root) == []
+
+
+@pytest.mark.regression("issue 18 item 4: an error found after the previous commit file was removed "
+                        "must say so")
+def test_an_error_after_the_previous_commit_was_removed_says_so(tmp_path: Path, stage_root: Path) -> None:
+    dest = tmp_path / "c"
+    with safestage.staged_dir(dest, stage_root) as local:
+        write_checkpoint(local, 1)
+    subprocess.run(["chattr", "+i", str(dest / "state")], check=True)  # nothing can be made in it
+    try:
+        with pytest.raises(PublishError) as info, safestage.staged_dir(dest, stage_root) as local:
+            write_checkpoint(local, 2)
+            (local / "state" / "sub").mkdir()
+    finally:
+        subprocess.run(["chattr", "-i", str(dest / "state")], check=True)
+    error = info.value
+    assert error.step == "mkdir" and error.errno == errno.EPERM, error
+    assert "previous commit file was removed" in str(error) and "not complete" in str(error), str(error)
+    assert not safestage.verify(dest).complete
+    shutil.rmtree(Path(error.staged_path).parent)  # type: ignore[arg-type]
 
 
 def test_nested_commit_name_is_an_ordinary_file(tmp_path: Path, stage_root: Path) -> None:
@@ -360,15 +456,14 @@ def test_symlinks_at_the_destination_are_never_written_through(tmp_path: Path, s
     with pytest.raises(PublishError) as info, safestage.staged_dir(dest, stage_root, publish="direct") as local:
         (local / "sub").mkdir()
         (local / "sub" / "victim.bin").write_bytes(b"overwrite")
-    assert info.value.step == "mkdir" and "symlink" in str(info.value)
+    assert info.value.step == "inspect" and "symlink" in str(info.value)
     assert (outside / "victim.bin").read_bytes() == b"keep"
-    shutil.rmtree(Path(info.value.staged_path).parent)  # type: ignore[arg-type]
     os.unlink(dest / "sub")
     os.symlink(outside / "victim.bin", dest / "victim.bin")  # where the checkpoint has a file
     with pytest.raises(PublishError) as info, safestage.staged_dir(dest, stage_root, publish="direct") as local:
         (local / "victim.bin").write_bytes(b"overwrite")
         (local / "ok.bin").write_bytes(b"ok")
-    assert info.value.landed == () or info.value.landed == ("ok.bin",)
+    assert info.value.step == "inspect" and info.value.landed == ()  # found before anything landed
     assert "victim.bin" in (info.value.not_landed or ())
     assert (outside / "victim.bin").read_bytes() == b"keep"
     assert not (dest / COMMIT_NAME).exists()
@@ -381,15 +476,18 @@ def test_a_failed_file_names_what_landed_and_keeps_the_rest(tmp_path: Path, shm_
     dest = tmp_path / "c"
     with safestage.staged_dir(dest, shm_root) as local:
         write_checkpoint(local, 1)
-    os.unlink(dest / "config.json")
-    os.mkdir(dest / "config.json")  # the new config.json cannot replace a directory
-    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, shm_root, background=1) as local:
-        expected = write_checkpoint(local, 2)
+    subprocess.run(["chattr", "+i", str(dest / "state")], check=True)  # its files cannot land
+    try:
+        with pytest.raises(PublishError) as info, safestage.staged_dir(dest, shm_root, background=1) as local:
+            expected = write_checkpoint(local, 2)
+    finally:
+        subprocess.run(["chattr", "-i", str(dest / "state")], check=True)
     error = info.value
-    assert error.not_landed is not None and "config.json" in error.not_landed
+    assert error.not_landed is not None and "state/optimizer.pt" in error.not_landed
     assert error.landed is not None and set(error.landed) | set(error.not_landed) == set(expected)
-    assert error.errno == errno.EISDIR
+    assert error.errno == errno.EPERM
     assert f"{len(error.landed)} of {len(expected)} files landed" in str(error)
+    assert "previous commit file was removed" in str(error)
     # The old commit file went first: the mix of old and new files is not "complete".
     assert not (dest / COMMIT_NAME).exists()
     result = safestage.verify(dest)
@@ -400,8 +498,16 @@ def test_a_failed_file_names_what_landed_and_keeps_the_rest(tmp_path: Path, shm_
     for relative in error.landed:
         assert (dest / relative).read_bytes() == expected[relative]
     assert pickle.loads(pickle.dumps(error)).landed == error.landed
+    # The kept copy says what it is for (`safestage recover` reads it), and clean shows it.
+    record = json.loads((kept.parent / KEPT_RECORD).read_bytes())
+    assert record["destination"] == str(dest) and record["local"] == kept.name
+    assert record["left"] == sorted(error.not_landed) and record["landed"] == sorted(error.landed)
+    assert record["commit_file"] is True
     # Kept while it holds the only copy: a sweep of the root leaves it alone.
-    assert _clean_json(shm_root)["entries"][0]["action"] == "kept"
+    (entry,) = _clean_json(shm_root)["entries"]
+    assert entry["action"] == "kept" and entry["destination"] == str(dest), entry
+    done = cli("clean", str(shm_root))
+    assert f"a copy for {dest}" in done.stdout, done.stdout
 
 
 def test_upload_failing_at_close(kit_mounts: dict[str, Any], stage_root: Path) -> None:
@@ -524,10 +630,15 @@ def test_deep_verify_checks_safetensors_headers(tmp_path: Path, stage_root: Path
     header["w"]["data_offsets"][1] += 4  # overlaps the next tensor
     raw = json.dumps(header).encode().ljust(length)
     cases["overlap.safetensors"] = data[:8] + raw + data[8 + length :]
-    with safestage.staged_dir(tmp_path / "c", stage_root) as local:
-        for name, content in cases.items():
-            (local / name).write_bytes(content)
-        shutil.copyfile(good, local / "good.safetensors")
+    # staged_dir and commit_in_place refuse such files: a commit file written here vouches for them.
+    from safestage._manifest import FileEntry, new_manifest
+
+    (tmp_path / "c").mkdir()
+    cases_and_good = {**cases, "good.safetensors": data}
+    for name, content in cases_and_good.items():
+        (tmp_path / "c" / name).write_bytes(content)
+    entries = [FileEntry(name, len(content), f"{zlib.crc32(content):08x}") for name, content in sorted(cases_and_good.items())]
+    (tmp_path / "c" / COMMIT_NAME).write_bytes(new_manifest(entries, [], "test").encode())
     found = dict(kinds(tmp_path / "c", deep=True))
     assert found == dict.fromkeys(cases, "safetensors"), safestage.verify(tmp_path / "c", deep=True).problems
 
@@ -714,6 +825,114 @@ def test_a_writer_killed_in_the_block_leaves_a_disposable_directory(tmp_path: Pa
     report = _clean_json(stage_root)
     assert [entry["action"] for entry in report["entries"]] == ["removed"], report
     assert leftovers(stage_root) == [] and not (tmp_path / "c").exists()
+
+
+_KILLED_COMMIT = """
+import os, sys, safestage
+with safestage.staged_dir(sys.argv[1], sys.argv[2], publish="replace", background=2) as local:
+    (local / "shards").mkdir()
+    (local / "shards" / "s0.bin").write_bytes(os.urandom(12 << 20))
+    (local / "top.bin").write_bytes(os.urandom(12 << 20))
+"""
+
+
+def _kill_while_publishing(dest: Path, root: Path) -> list[Path]:
+    """SIGKILL a commit of ``dest`` once both of its files are publishing; their temps."""
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_COMMIT, str(dest), str(root)])
+    temps: list[Path] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and child.poll() is None:
+            temps = [
+                directory / name
+                for directory in (dest, dest / "shards")
+                if directory.is_dir()
+                for name in os.listdir(directory)
+                if parse_temp_name(name) is not None
+            ]
+            if len(temps) == 2:
+                child.kill()
+                break
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -9 and len(temps) == 2, (child.returncode, temps)
+    assert {temp.parent for temp in temps} == {dest, dest / "shards"}
+    return temps
+
+
+@pytest.mark.regression("issue 18 item 6: a SIGKILLed commit's temp files in subdirectories were never "
+                        "removed, and a later successful re-commit left its top-level temp too")
+def test_a_killed_commits_temps_go_with_clean_the_next_commit_and_commit_in_place(tmp_path: Path, caplog: Any) -> None:
+    from safestage.testing import hostile_mount
+
+    root = tmp_path / "root"
+    root.mkdir()
+    with hostile_mount("slow", tmp_path / "mnt", mbps=20) as mount:
+        run = Path(mount.path) / "run"
+        run.mkdir()
+        dest = run / "checkpoint-1"
+        live = run / f".notes.safestage-{HOST}-{os.getpid()}-0123abcd.tmp"  # a live writer's: stays
+        live.write_bytes(b"partial")
+        # `safestage clean` on the run directory: into every checkpoint, temps of dead owners only.
+        temps = _kill_while_publishing(dest, root)
+        report = _clean_json(run)
+        removed = sorted(entry["name"] for entry in report["entries"] if entry["action"] == "removed")
+        assert removed == sorted(str(temp.relative_to(run)) for temp in temps), report
+        assert [e["name"] for e in report["entries"] if e["action"] == "kept"] == [live.name], report
+        assert not any(temp.exists() for temp in temps) and live.exists()
+        # On the checkpoint directory itself, likewise.
+        temps = _kill_while_publishing(dest, root)
+        removed = [e["name"] for e in _clean_json(dest)["entries"] if e["action"] == "removed"]
+        assert sorted(removed) == sorted(str(temp.relative_to(dest)) for temp in temps)
+        # The next successful commit of that destination removes them too.
+        temps = _kill_while_publishing(dest, root)
+        with safestage.staged_dir(dest, root) as local:
+            (local / "shards").mkdir()
+            (local / "shards" / "s0.bin").write_bytes(b"new")
+        assert not any(temp.exists() for temp in temps)
+        assert safestage.verify(dest, deep=True).complete
+        # And commit_in_place, which knows their owner is dead (no "may still run").
+        temps = _kill_while_publishing(dest, root)
+        with caplog.at_level("DEBUG", logger="safestage"):
+            safestage.commit_in_place(dest, root)
+        assert not any(temp.exists() for temp in temps)
+        assert not [r for r in caplog.records if "may still run" in r.getMessage()], caplog.text
+        assert safestage.verify(dest, deep=True).complete and live.exists()
+    # The killed commits' complete local copies are kept, each naming its destination.
+    kept = [json.loads((root / name / KEPT_RECORD).read_bytes()) for name in os.listdir(root)]
+    assert len(kept) == 4 and {record["destination"] for record in kept} == {str(dest)}, kept
+    entries = _clean_json(root)["entries"]
+    assert [entry["action"] for entry in entries] == ["kept"] * 4, entries
+    assert all(entry["destination"] == str(dest) and f"for {dest}" in entry["reason"] for entry in entries)
+
+
+@pytest.mark.regression("v0.2 hostile review: a background save of ckpt/model.safetensors still "
+                        "publishing landed after staged_dir(ckpt) had committed a new one, over it")
+def test_a_commit_lands_after_pending_background_publishes_under_its_destination(tmp_path: Path) -> None:
+    from safestage.testing import hostile_mount
+
+    root = tmp_path / "root"
+    root.mkdir()
+    old = {"w": torch.full((6 * 1024 * 1024,), 1.0)}  # 24 MiB: about 1.2 s at 20 MB/s
+    new = {"w": torch.full((1024 * 1024,), 2.0)}  # 4 MiB: lands well before the old one would
+    with hostile_mount("slow", tmp_path / "mnt", mbps=20) as mount:
+        for commit in ("staged_dir", "commit_in_place"):
+            ckpt = Path(mount.path) / commit / "ckpt"
+            ckpt.mkdir(parents=True)
+            with safestage.staged(root, background=True):
+                save_file(old, str(ckpt / "model.safetensors"))
+                if commit == "staged_dir":
+                    with safestage.staged_dir(ckpt, root=root) as local:
+                        save_file(new, str(local / "model.safetensors"))
+                else:  # the Trainer's way: written in place (here by the pending save), committed
+                    manifest = safestage.commit_in_place(ckpt, root)
+                    assert [entry.path for entry in manifest.files] == ["model.safetensors"]
+            expected = new if commit == "staged_dir" else old
+            assert torch.equal(load_file(str(ckpt / "model.safetensors"))["w"], expected["w"]), commit
+            result = safestage.verify(ckpt, deep=True)
+            assert result.complete, (commit, result.problems)
 
 
 _CLEANER = """

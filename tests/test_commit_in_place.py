@@ -73,7 +73,7 @@ def _refused(dest: Path, root: Path, *fragments: str) -> PublishError:
     return error
 
 
-@pytest.mark.parametrize("what", ["torn-safetensors", "torn-json", "index-names-a-missing-shard"])
+@pytest.mark.parametrize("what", ["torn-safetensors", "empty-safetensors", "torn-json", "index-names-a-missing-shard"])
 def test_a_bad_file_at_the_destination_is_never_committed(tmp_path: Path, root: Path, what: str) -> None:
     dest = tmp_path / "checkpoint-1"
     dest.mkdir()
@@ -82,6 +82,9 @@ def test_a_bad_file_at_the_destination_is_never_committed(tmp_path: Path, root: 
     safestage.commit_in_place(dest, root)  # a previous commit of the directory
     if what == "torn-safetensors":  # what a killed direct upload leaves on an object store
         os.truncate(dest / "model.safetensors", 300)
+        fragment = "model.safetensors: not a complete safetensors file"
+    elif what == "empty-safetensors":  # the rule staged_dir follows too (issue 18 item 7)
+        os.truncate(dest / "model.safetensors", 0)
         fragment = "model.safetensors: not a complete safetensors file"
     elif what == "torn-json":  # trainer_state.json is a plain open() write
         (dest / "trainer_state.json").write_text('{"global_step": 1')
@@ -108,6 +111,8 @@ def test_a_missing_directory(tmp_path: Path, root: Path) -> None:
     assert caught.value.errno == errno.ENOENT
 
 
+@pytest.mark.regression("issue 18 item 6: commit_in_place left a killed writer's temps in "
+                        "subdirectories and logged that the dead writer may still run")
 def test_temp_files_of_dead_writers_go_live_ones_stay_outside_the_commit(
     tmp_path: Path, root: Path, caplog: Any
 ) -> None:
@@ -116,15 +121,18 @@ def test_temp_files_of_dead_writers_go_live_ones_stay_outside_the_commit(
     expected = write_checkpoint(dest, 1)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = dest / f".optimizer.pt.safestage-{HOST}-{int(gone.stdout)}-0123abcd.tmp"  # a killed rank's
+    dead_below = dest / "state" / f".optimizer.pt.safestage-{HOST}-{int(gone.stdout)}-89abcdef.tmp"
     live = dest / f".model.safetensors.safestage-{HOST}-{os.getpid()}-4567cdef.tmp"  # ours: alive
     writer = dest / ".tmpAb12Cd"  # safetensors 0.8's own temp (Rust tempfile)
-    for temp in (dead, live, writer):
+    for temp in (dead, dead_below, live, writer):
         temp.write_bytes(b"partial")
     with caplog.at_level("WARNING", logger="safestage"):
         manifest = safestage.commit_in_place(dest, root)
-    assert not dead.exists() and live.exists() and writer.exists()
+    assert not dead.exists() and not dead_below.exists() and live.exists() and writer.exists()
     assert [entry.path for entry in manifest.files] == sorted(expected)
     assert {live.name, writer.name} <= {r.getMessage().split(": ")[1].split(" is a temp")[0] for r in caplog.records}
+    live_line = next(r.getMessage() for r in caplog.records if live.name in r.getMessage())
+    assert f"pid {os.getpid()}, is running" in live_line, live_line  # why it stays, as clean says
     assert safestage.verify(dest, deep=True).complete
 
 

@@ -412,6 +412,19 @@ def test_bytes_filename_raises_safetensors_own_error_unchanged(tmp_path, shm_roo
     assert stage.records == [] and os.listdir(shm_root) == [] and os.listdir(tmp_path) == []
 
 
+@pytest.mark.regression("v0.2 hostile review: staged_file with a bytes path died inside _paths with "
+                        "an internal TypeError naming nothing")
+def test_staged_file_takes_a_bytes_path_as_staged_dir_and_open_do(tmp_path, shm_root):
+    for name in (b"weights.bin", b"w\xff.bin"):  # the second is not UTF-8
+        dest = os.fsencode(tmp_path) + b"/" + name
+        with safestage.staged_file(dest, shm_root) as local:
+            local.write_bytes(b"payload")
+        with open(dest, "rb") as published:
+            assert published.read() == b"payload"
+    assert sorted(os.listdir(os.fsencode(tmp_path))) == [b"weights.bin", b"w\xff.bin"]
+    assert os.listdir(shm_root) == []
+
+
 def _same_as_plain(
     tmp_path: Path, shm_root: Path, prepare: Callable[[Path], Path], save: Callable[[Path], None]
 ) -> tuple[Path, Path]:
