@@ -816,9 +816,9 @@ ENDS_WITH_A_PENDING_PUBLISH = """
 def test_ctrl_c_twice_while_exit_waits_for_a_publish_exits_0_and_loses_it(root):
     """README: "at interpreter exit pending publishes are completed, never dropped" and "a
     program that lost a checkpoint never exits 0". The program ends while a background
-    publish runs; the user, seeing it hang at exit, presses Ctrl-C: the first lands in
-    concurrent.futures' join (ignored), the second in safestage's own at-exit wait, which
-    catches BaseException and returns quietly. The interpreter then exits 0 and kills the
+    publish runs; the user, seeing it hang at exit, presses Ctrl-C twice. (Once, the Ctrl-C
+    landed in concurrent.futures' join (ignored), the second in safestage's own at-exit wait,
+    which caught BaseException and returned quietly.) The interpreter then exits 0 and kills the
     publisher thread mid-copy. What the user loses: the checkpoint (a temp is left beside
     it, the complete copy unnamed in the staging root), with exit status 0 and no message."""
     with hostile_mount("slow", mbps=5) as mount:
@@ -828,9 +828,9 @@ def test_ctrl_c_twice_while_exit_waits_for_a_publish_exits_0_and_loses_it(root):
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base)  # fmt: skip
         assert program.stdout.readline().strip() == "main done"
         time.sleep(0.5)
-        program.send_signal(signal.SIGINT)  # lands in concurrent.futures' _python_exit join
-        time.sleep(0.5)
         program.send_signal(signal.SIGINT)  # lands in safestage's _complete_at_exit
+        time.sleep(0.5)
+        program.send_signal(signal.SIGINT)  # if the process is still there
         _, err = program.communicate(timeout=60)
         time.sleep(0.5)
         landed = loads_as(dest, 1.0)
