@@ -8,10 +8,11 @@ runs them, in the order below, each only if its module was imported. Add a reset
 with a ``register_at_fork`` of its own: ``grep -rl register_at_fork safestage`` lists only
 this file.
 
-Threads. Every thread of ours (a followed copy, a directory commit's publishers) is started
-by ``start_worker`` and waited on through ``Worker.wait``, never ``Thread.join()``: on
-CPython 3.11 a join() that a KeyboardInterrupt cuts short can mark the live thread as
-stopped, and the next join() returns at once (bpo-45274).
+Threads. Every thread of ours (a followed copy, a background publish, a directory commit's
+publishers) is started by ``start_worker`` and waited on through ``Worker.wait`` (or the
+background publisher's condition), never ``Thread.join()``: on CPython 3.11 a join() that a
+KeyboardInterrupt cuts short can mark the live thread as stopped, and the next join() returns
+at once (bpo-45274).
 
 Clean-ups that a Ctrl-C must not cut short run inside ``_interrupts.deferred()``.
 """

@@ -9,7 +9,7 @@
 - ``followed``: serialized locally while a thread publishes behind the writer (_follow);
 - ``staged``: serialized locally, then published before the save returns;
 - ``background``: serialized locally, published by the one background publisher
-  (_background), which owns the future and its error.
+  (_background), which owns the publish and its error.
 
 and then run (``run``). The staging root is checked and swept once per process and root
 (``staging_root``), not per save: a Lightning run saving a checkpoint every few minutes
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import stat
@@ -227,13 +228,10 @@ def publish(
         _background.settle(copy.dest)  # an earlier background publish of it lands first
         job()
         return
-    try:
-        _background.publisher().submit(
-            job, copy.dest, max_pending=settings.background, owner=owner, kept=copy.path
-        )
-    except BaseException as exc:  # Ctrl-C while waiting for a slot: keep and name the copy
-        keep_unpublished(copy, exc)
-        raise
+    _background.publisher().submit(  # a Ctrl-C while waiting for a slot keeps and names the copy
+        job, copy.dest, max_pending=settings.background, owner=owner, kept=copy.path,
+        not_started=functools.partial(keep_unpublished, copy),
+    )  # fmt: skip
 
 
 def _make_room(root: StagingRoot, needs: Optional[int], dest: Path, owner: object) -> None:
@@ -246,10 +244,8 @@ def _make_room(root: StagingRoot, needs: Optional[int], dest: Path, owner: objec
         pending = _background.running(owner)
         if not pending:
             raise
-        import concurrent.futures
-
-        log.info("%s: the staging root is full until %d pending publish(es) land; waiting", dest, len(pending))
-        concurrent.futures.wait(pending)
+        log.info("%s: the staging root is full until %d pending publish(es) land; waiting", dest, pending)
+        _background.settle(owner=owner)
         root.check_room(needs, dest)
 
 

@@ -94,6 +94,34 @@ def test_background_from_the_environment(tmp_path, shm_root):
     assert torch.equal(load_file(str(tmp_path / "env.safetensors"))["w"], torch.ones(1000))
 
 
+SAVES_IN_A_LATE_ATEXIT_HANDLER = """
+import atexit, sys, torch
+from safetensors.torch import save_file
+
+def last_checkpoint():  # registered before import safestage: runs after safestage's exit wait
+    save_file({"w": torch.full((4 << 20,), 3.0)}, sys.argv[1])  # 16 MiB: ~0.8 s at 20 MB/s
+
+atexit.register(last_checkpoint)
+import safestage
+safestage.activate(sys.argv[2], background=True)
+"""
+
+
+def test_a_background_save_made_after_the_exit_wait_publishes_before_it_returns(slow_mount, shm_root):
+    """At interpreter exit pending publishes are completed: a save from an atexit handler
+    that runs after safestage's own exit wait (one registered before ``import safestage``)
+    has nobody left to wait for a worker, so it publishes in the saving thread."""
+    import subprocess
+    import sys
+
+    dest = Path(slow_mount.path) / f"late-{os.getpid()}.safetensors"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    result = subprocess.run([sys.executable, "-c", SAVES_IN_A_LATE_ATEXIT_HANDLER, str(dest), str(shm_root)],
+                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert torch.equal(load_file(str(dest))["w"], torch.full((4 << 20,), 3.0))
+
+
 def test_skip_local_disk_writes_local_disk_directly_and_fixes_the_mode(tmp_path, shm_root, kit_mounts):
     hdfs = Path(kit_mounts["hdfs"].path) / f"when-{os.getpid()}"
     hdfs.mkdir()

@@ -816,9 +816,9 @@ ENDS_WITH_A_PENDING_PUBLISH = """
 def test_ctrl_c_twice_while_exit_waits_for_a_publish_exits_0_and_loses_it(root):
     """README: "at interpreter exit pending publishes are completed, never dropped" and "a
     program that lost a checkpoint never exits 0". The program ends while a background
-    publish runs; the user, seeing it hang at exit, presses Ctrl-C: the first lands in
-    concurrent.futures' join (ignored), the second in safestage's own at-exit wait, which
-    catches BaseException and returns quietly. The interpreter then exits 0 and kills the
+    publish runs; the user, seeing it hang at exit, presses Ctrl-C twice. (Once, the Ctrl-C
+    landed in concurrent.futures' join (ignored), the second in safestage's own at-exit wait,
+    which caught BaseException and returned quietly.) The interpreter then exits 0 and kills the
     publisher thread mid-copy. What the user loses: the checkpoint (a temp is left beside
     it, the complete copy unnamed in the staging root), with exit status 0 and no message."""
     with hostile_mount("slow", mbps=5) as mount:
@@ -828,9 +828,9 @@ def test_ctrl_c_twice_while_exit_waits_for_a_publish_exits_0_and_loses_it(root):
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base)  # fmt: skip
         assert program.stdout.readline().strip() == "main done"
         time.sleep(0.5)
-        program.send_signal(signal.SIGINT)  # lands in concurrent.futures' _python_exit join
-        time.sleep(0.5)
         program.send_signal(signal.SIGINT)  # lands in safestage's _complete_at_exit
+        time.sleep(0.5)
+        program.send_signal(signal.SIGINT)  # if the process is still there
         _, err = program.communicate(timeout=60)
         time.sleep(0.5)
         landed = loads_as(dest, 1.0)
@@ -838,6 +838,34 @@ def test_ctrl_c_twice_while_exit_waits_for_a_publish_exits_0_and_loses_it(root):
     assert landed or (program.returncode != 0 and str(dest) in err), (
         f"exit {program.returncode}, destination {listing}, stderr tail {err[-200:]!r}"
     )
+
+
+@pytest.mark.regression(
+    "v0.2 hostile review: the first Ctrl-C at exit landed in concurrent.futures' worker join "
+    "(threading._shutdown, before atexit), was printed as 'Exception ignored', and the process "
+    "exited 0 with no safestage message"
+)
+def test_ctrl_c_while_exit_waits_for_a_background_publish_exits_130_naming_the_staged_copy(root):
+    """docs/guarantees.md: "A Ctrl-C while exit waits for a publish ends the process with
+    status 130 and the same message, naming where each complete staged copy is kept". The
+    program ends with a background publish of 32 MiB onto kit `slow` at 10 MB/s (~3 s) still
+    running; one real SIGINT a second later."""
+    with hostile_mount("slow", mbps=10) as mount:
+        dest = Path(mount.path) / "model.safetensors"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+        code = ENDS_WITH_A_PENDING_PUBLISH.replace("4 << 20", "8 << 20")  # 32 MiB
+        program = subprocess.Popen([PY, "-c", textwrap.dedent(code), str(dest), str(root)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base)  # fmt: skip
+        assert program.stdout.readline().strip() == "main done"
+        time.sleep(1.0)  # the script has ended; exit is waiting for the publish
+        program.send_signal(signal.SIGINT)
+        _, err = program.communicate(timeout=120)
+        kept = [root / d / f for d in entries(root) for f in entries(root / d)]
+    assert program.returncode == 130, (program.returncode, err[-2000:])
+    assert f"safestage: interrupted at exit while publishing {dest}" in err, err[-2000:]
+    assert len(kept) == 1 and f"the complete staged copy is kept at {kept[0]}" in err, (kept, err[-2000:])
+    assert torch.equal(load_file(str(kept[0]))["w"], torch.ones(8 << 20)), "the kept copy is not the save"
+    assert "Exception ignored" not in err, err[-2000:]
 
 
 # -- 24. staged_file publishes a symlink the writer left at the local path ----------------------
