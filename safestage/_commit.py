@@ -159,14 +159,17 @@ class StagedDir:
         published: dict[str, Published] = {}
         manifest: Optional[Manifest] = None
         tree: Optional[_Tree] = None
+        try:  # everything that refuses the commit, before the destination is touched
+            tree = _scan(local, dest)
+            _check_destination(dest, tree)
+        except PublishError:
+            with deferred():  # refused as it is, it would be refused again: not kept
+                _discard(private, local)
+            raise
+        except BaseException as exc:  # Ctrl-C while checking: nothing published, the copy kept
+            self._keep(private, local, tree, published, exc)
+            raise
         try:
-            try:  # everything that refuses the commit, before the destination is touched
-                tree = _scan(local, dest)
-                _check_destination(dest, tree)
-            except PublishError:
-                with deferred():  # refused as it is, it would be refused again: not kept
-                    _discard(private, local)
-                raise
             files = [path for path, _ in tree.files]
             record_kept(private.path, dest, local, left=files, landed=[], commit_file=True)
             with contextlib.suppress(FileNotFoundError):  # from here on it may be the only copy
@@ -188,19 +191,35 @@ class StagedDir:
                 self._finish(private, local, manifest)
                 _note(exc, f"safestage: interrupted after {dest} was committed (it is complete)")
                 raise
-            if tree is not None:  # the local copy stays, saying what is left: never swept
-                left = [path for path, _ in tree.files if path not in published]
-                record_kept(private.path, dest, local, left=left, landed=list(published),
-                            commit_file=True, error=exc)  # fmt: skip
-            private.release()
-            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
-                _note(exc, _kept_text(dest, local, published))
+            self._keep(private, local, tree, published, exc)
             raise
         self._finish(private, local, manifest)
         log.debug(
             "%s: committed %d files, %d bytes in %.3fs",
             dest, len(manifest.files), manifest.total_bytes, time.perf_counter() - started,
         )  # fmt: skip
+
+    def _keep(
+        self,
+        private: SaveDir,
+        local: Path,
+        tree: Optional[_Tree],
+        published: dict[str, Published],
+        exc: BaseException,
+    ) -> None:
+        """The local copy stays, saying what is left, and is never swept (no disposable
+        marker): it may be the only complete copy of the checkpoint."""
+        assert self.dest is not None
+        with deferred():
+            every = [path for path, _ in tree.files] if tree is not None else []
+            left = [path for path in every if path not in published]
+            record_kept(private.path, self.dest, local, left=left, landed=list(published),
+                        commit_file=True, error=exc)  # fmt: skip
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(private / DISPOSABLE_MARKER)
+            private.release()
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
+            _note(exc, _kept_text(self.dest, local, published))
 
     def _finish(self, private: SaveDir, local: Path, manifest: Manifest) -> None:
         self.manifest = manifest
