@@ -40,7 +40,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Callable, Optional, Protocol, Union
 
 from ._errors import PublishError
 from ._follow import Follower, Reader
@@ -66,13 +66,6 @@ NOT_SUPPORTED = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.
 RENAME_UNSUPPORTED = NOT_SUPPORTED - {errno.EPERM}
 # An owner keeps losing its fresh temp to a concurrent cleaner at most this often in a row.
 _TEMP_ATTEMPTS = 5
-_FILE_TYPES = (
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISDIR, "a directory"),
-)
 
 # The empty file `auto` renames once per device to learn whether the destination can rename;
 # a process killed during the probe leaves it as a safestage temp that `clean` removes.
@@ -110,6 +103,9 @@ class _StepFailed(Exception):
         self.unlinked_previous = False  # direct: the old file was unlinked before writing
 
 
+_umask_lock = threading.Lock()
+
+
 def current_umask() -> int:
     """The process umask, read without changing it (os.umask is racy across threads)."""
     try:
@@ -123,9 +119,6 @@ def current_umask() -> int:
         mask = os.umask(0o022)
         os.umask(mask)
     return mask
-
-
-_umask_lock = threading.Lock()
 
 
 def stat_retrying(path: Path) -> os.stat_result:
@@ -209,32 +202,17 @@ def copy_to_new_file(
     _StepFailed naming the step that failed. Whatever is raised (KeyboardInterrupt too), the
     target's descriptor is closed before it propagates; removing the target is the caller's.
     """
-    if follow is not None:  # the writer is still writing: read behind it (_follow)
-        reader = follow.open()
-        try:
-            if before_create is not None:
-                before_create()
-            copied = _copy_from(reader, source, -1, target, flags=flags, mode=mode, fsync=fsync,
+    src = _open_source(source, follow)
+    with contextlib.closing(src):
+        expected = -1 if isinstance(src, Reader) else _size_of(src, source)  # -1: not known yet
+        if before_create is not None:
+            before_create()
+        # A child forked while we write the target closes its copy at once (_fork_fds).
+        with closed_in_children(target):
+            copied = _copy_into(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
                                 chunk_bytes=chunk_bytes, prepare=prepare, digest=digest)  # fmt: skip
-        finally:
-            reader.close()
-        expected = reader.expected
-    else:
-        # The source is opened first: once a publish has begun, a tmp cleaner emptying the
-        # staging root cannot take the data from under it (the open file outlives the unlink).
-        try:
-            src = open(source, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
-        except OSError as exc:
-            raise _StepFailed("read", exc, source) from exc
-        with src:
-            try:
-                expected = os.fstat(src.fileno()).st_size
-            except OSError as exc:
-                raise _StepFailed("read", exc, source) from exc
-            if before_create is not None:
-                before_create()
-            copied = _copy_from(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
-                                chunk_bytes=chunk_bytes, prepare=prepare, digest=digest)  # fmt: skip
+    if isinstance(src, Reader):
+        expected = src.expected  # a followed file's size is known only at its end
     try:
         size = os.stat(target).st_size
     except OSError as exc:
@@ -245,16 +223,23 @@ def copy_to_new_file(
     return copied
 
 
-def _copy_from(
-    src: Union[io.FileIO, Reader],
-    source: Path,
-    expected: int,
-    target: Path,
-    **options: Any,
-) -> int:
-    # A child forked while we write the target closes its copy at once (_fork_fds).
-    with closed_in_children(target):
-        return _copy_into(src, source, expected, target, **options)
+def _open_source(source: Path, follow: Optional[Follower]) -> Union[io.FileIO, Reader]:
+    """The staged file, opened before the target is created: once a publish has begun, a tmp
+    cleaner emptying the staging root cannot take the data from under it (the open file
+    outlives the unlink). With ``follow``, a reader behind the still-running writer."""
+    if follow is not None:
+        return follow.open()
+    try:
+        return open(source, "rb", buffering=0)
+    except OSError as exc:
+        raise _StepFailed("read", exc, source) from exc
+
+
+def _size_of(src: io.FileIO, source: Path) -> int:
+    try:
+        return os.fstat(src.fileno()).st_size
+    except OSError as exc:
+        raise _StepFailed("read", exc, source) from exc
 
 
 def _copy_into(
@@ -412,9 +397,9 @@ def publish_file(
                 fsync_directory(directory)
             return Published("replace", nbytes, time.perf_counter() - started, hexdigest)
         except _StepFailed as failed:
-            # Only a probe of the device decides that it cannot rename (issue 9): a refused
-            # rename of this one file is this save's error. Without a verdict (the probe could
-            # not run), an answer that can only mean "no rename here" sends this one file direct.
+            # Only a probe of the device decides that it cannot rename: a refused rename of
+            # this one file is this save's error. Without a verdict (the probe could not
+            # run), an answer that can only mean "no rename here" sends this one file direct.
             unsupported = failed.step == "rename" and failed.error.errno in RENAME_UNSUPPORTED
             undecided = capabilities.strategy_for(filesystem_key(directory, dest_device)) is None
             if not (publish == "auto" and unsupported and undecided):
@@ -539,8 +524,8 @@ def _replace(
     While it is written the temp is locked (its writing descriptor holds a flock, so cleaners
     in any PID namespace of this host leave it alone). Between its checked close and the
     rename it is not, and a cleaner that cannot see our pid (another PID namespace) may take
-    it then: the rename finds it gone, and since the staged copy is still here, we simply
-    copy again under a fresh name.
+    it then: the size check or the rename finds it gone, and since the staged copy is still
+    here, we simply copy again under a fresh name.
     """
     for _ in range(_TEMP_ATTEMPTS):
         temp = dest.parent / temp_name(dest.name)
@@ -552,11 +537,9 @@ def _replace(
             )  # fmt: skip
             try:
                 os.replace(temp, dest)
-            except FileNotFoundError as exc:
-                if not dest.parent.is_dir():
-                    raise _StepFailed("rename", exc, dest) from exc
-                raise Contended(str(temp)) from exc  # taken between close and rename
             except OSError as exc:
+                if isinstance(exc, FileNotFoundError) and dest.parent.is_dir():
+                    continue  # taken between its close and the rename (see above)
                 raise _StepFailed("rename", exc, dest) from exc
         except Contended:
             with deferred():
@@ -564,7 +547,7 @@ def _replace(
             continue
         except _StepFailed as failed:
             if failed.step == "verify" and failed.error.errno == errno.ENOENT and dest.parent.is_dir():
-                continue  # taken after its close (see above): copy again under a fresh name
+                continue  # taken between its close and the size check (see above)
             # Exclusive create means the temp is ours: never leave it beside the destination.
             if failed.step != "create":
                 with deferred():
@@ -743,6 +726,15 @@ def _direct_lock(dest: Path) -> threading.Lock:
         return _direct_locks.setdefault(str(dest), threading.Lock())
 
 
+_FILE_TYPES = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
 def _refuse_special_file(dest: Path, previous: os.stat_result) -> None:
     for is_kind, kind in _FILE_TYPES:
         if is_kind(previous.st_mode):
@@ -857,27 +849,21 @@ def _publish_error(
     failed: _StepFailed, dest: Path, staged: Path, strategy: str, *, existed: bool
 ) -> PublishError:
     error = failed.error
+    untouched = failed.step in ("create", "inspect", "unlink", "read")  # nothing written yet
     if failed.unlinked_previous:
         state = (
             f"{dest} is gone: this process had it mapped (loaded), so it was unlinked to write "
             "a new file, and the new file could not be written"
         )
-    elif failed.step in ("create", "inspect", "unlink", "read"):
-        state = (
-            f"{dest} still holds its previous file (untouched)"
-            if existed
-            else f"nothing was written under {dest}"
-        )
-    elif strategy == "direct":
-        removed = failed.removed
-        if removed is True:
+    elif strategy == "direct" and not untouched:
+        if failed.removed is True:
             state = f"no incomplete file is left under {dest}"
-        elif removed is False:
+        elif failed.removed is False:
             state = f"{dest} may hold an incomplete file (removing it failed): do not load it"
         else:
             state = f"{dest} still holds its previous complete file"
     elif existed:
-        state = f"{dest} still holds its previous file"
+        state = f"{dest} still holds its previous file" + (" (untouched)" if untouched else "")
     else:
         state = f"nothing was written under {dest}"
     leftover = failed.leftover
