@@ -8,9 +8,9 @@ Three strategies, chosen per save:
   fsync, close (checked), verify the size, then ``os.replace`` it over the final name.
   Readers see the old file or the new one, never a mix.
 - ``direct``: for destinations that cannot rename (mountpoint-s3, safetensors#792): write the
-  final name with O_CREAT|O_TRUNC, once the writer has finished (a direct save is never
-  followed). Object stores make the object visible only when close() succeeds, so it is
-  atomic there; on a POSIX filesystem readers may see a partial file.
+  final name with O_CREAT|O_TRUNC, once the writer has finished. Object stores make the
+  object visible only when close() succeeds, so it is atomic there; on a POSIX filesystem
+  readers may see a partial file.
 
 Concurrency under ``direct``: within one process, direct writes of one path take turns (a
 per-path lock). Across processes, one writer per destination file is the caller's contract,
@@ -37,7 +37,6 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol, Union
@@ -204,15 +203,15 @@ def copy_to_new_file(
     """
     src = _open_source(source, follow)
     with contextlib.closing(src):
-        expected = -1 if isinstance(src, Reader) else _size_of(src, source)  # -1: not known yet
+        expected = -1 if isinstance(src, Reader) else _size_of(src, source)
         if before_create is not None:
             before_create()
         # A child forked while we write the target closes its copy at once (_fork_fds).
         with closed_in_children(target):
             copied = _copy_into(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
                                 chunk_bytes=chunk_bytes, prepare=prepare, digest=digest)  # fmt: skip
-    if isinstance(src, Reader):
-        expected = src.expected  # a followed file's size is known only at its end
+    if isinstance(src, Reader):  # a followed file (_follow) is sized only at its end
+        expected = src.expected
     try:
         size = os.stat(target).st_size
     except OSError as exc:
@@ -274,7 +273,9 @@ def _copy_into(
             os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         view = memoryview(buffer)
         while count := _read_chunk(src, buffer, source):  # a followed read blocks on the writer
-            _write_chunk(out_fd, view[:count], digest)
+            if digest is not None:
+                digest.update(view[:count])
+            write_all(out_fd, view[:count])
             copied += count
         if fsync:
             step = "fsync"
@@ -298,12 +299,6 @@ def _read_chunk(src: Union[io.FileIO, Reader], buffer: bytearray, source: Path) 
         return src.readinto(buffer) or 0
     except OSError as exc:  # the staging side failed, not the destination
         raise _StepFailed("read", exc, source) from exc
-
-
-def _write_chunk(fd: int, data: memoryview, digest: Optional[Digest]) -> None:
-    if digest is not None:
-        digest.update(data)
-    write_all(fd, data)
 
 
 def _match_mode(fd: int, mode: int) -> None:
@@ -488,7 +483,13 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
             if exc.errno not in NOT_SUPPORTED:
                 log.debug("rename probe in %s failed: %s", directory, exc)
                 return None
-            _remember_direct(key, directory, exc)
+            if capabilities.remember(key, "direct"):
+                log.warning(
+                    "the filesystem of %s cannot rename files (a probe's rename answered %s); "
+                    "publishing to it with publish='direct' from now on (set "
+                    "SAFESTAGE_PUBLISH=direct to skip the probe)",
+                    directory, _errno_text(exc),
+                )  # fmt: skip
             return False
         capabilities.remember(key, "replace")
         return True
@@ -496,17 +497,6 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
         with deferred():  # a Ctrl-C now is raised once both names are gone
             _best_effort_unlink(source)  # a refusal is logged at WARNING with the path
             _best_effort_unlink(target)
-
-
-def _remember_direct(key: Hashable, directory: Path, error: OSError) -> None:
-    if capabilities.remember(key, "direct"):
-        log.warning(
-            "the filesystem of %s cannot rename files (a probe's rename answered %s); "
-            "publishing to it with publish='direct' from now on (set "
-            "SAFESTAGE_PUBLISH=direct to skip the probe)",
-            directory,
-            _errno_text(error),
-        )
 
 
 def _replace(
@@ -575,6 +565,16 @@ def _lock_temp(temp: Path, write_fd: int) -> None:
     claim(write_fd, temp)
 
 
+_direct_locks: dict[str, threading.Lock] = {}
+_direct_locks_guard = threading.Lock()
+
+
+def _direct_lock(dest: Path) -> threading.Lock:
+    """The in-process lock of direct writes of ``dest`` (never removed: one per path written)."""
+    with _direct_locks_guard:
+        return _direct_locks.setdefault(str(dest), threading.Lock())
+
+
 def _direct(
     staged: Path,
     dest: Path,
@@ -634,6 +634,9 @@ def _direct_locked(
     return nbytes
 
 
+_UNLINK_PATIENCE_S = 1.0
+
+
 def _remove_torn(dest: Path) -> bool:
     """Remove the torn file a direct publish wrote under the final name; True if none is left.
     A refusal is retried for a moment: a child forked during the copy holds our descriptor
@@ -652,9 +655,6 @@ def _remove_torn(dest: Path) -> bool:
             log.warning("could not remove %s: %s", dest, exc)
             return False
         return True
-
-
-_UNLINK_PATIENCE_S = 1.0
 
 
 class _Aside:
@@ -714,16 +714,6 @@ class _Aside:
         if self.moved is not None:
             _best_effort_unlink(self.moved)
             self.moved = None
-
-
-_direct_locks: dict[str, threading.Lock] = {}
-_direct_locks_guard = threading.Lock()
-
-
-def _direct_lock(dest: Path) -> threading.Lock:
-    """The in-process lock of direct writes of ``dest`` (never removed: one per path written)."""
-    with _direct_locks_guard:
-        return _direct_locks.setdefault(str(dest), threading.Lock())
 
 
 _FILE_TYPES = (
