@@ -185,7 +185,6 @@ def copy_to_new_file(
     flags: int,
     mode: int,
     fsync: bool,
-    chunk_bytes: int = CHUNK_BYTES,
     prepare: Optional[Callable[[int], None]] = None,
     before_create: Optional[Callable[[], None]] = None,
     digest: Optional[Digest] = None,
@@ -195,7 +194,7 @@ def copy_to_new_file(
     With ``follow``, read ``source`` while its writer is still writing it (see _follow): only
     into our own hidden temp (``replace``), never into a final name.
 
-    Sequential writes only, from one reusable buffer: memory stays at ``chunk_bytes`` whatever
+    Sequential writes only, from one reusable buffer: memory stays at CHUNK_BYTES whatever
     the file size. ``prepare(fd)`` runs right after the open. ``digest``, if given, is updated
     with every chunk as it is written (the bytes are read once). Returns the byte count. Raises
     _StepFailed naming the step that failed. Whatever is raised (KeyboardInterrupt too), the
@@ -209,7 +208,7 @@ def copy_to_new_file(
         # A child forked while we write the target closes its copy at once (_fork_fds).
         with closed_in_children(target):
             copied = _copy_into(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
-                                chunk_bytes=chunk_bytes, prepare=prepare, digest=digest)  # fmt: skip
+                                prepare=prepare, digest=digest)  # fmt: skip
     if isinstance(src, Reader):  # a followed file (_follow) is sized only at its end
         expected = src.expected
     try:
@@ -250,12 +249,11 @@ def _copy_into(
     flags: int,
     mode: int,
     fsync: bool,
-    chunk_bytes: int,
     prepare: Optional[Callable[[int], None]],
     digest: Optional[Digest],
 ) -> int:
     # expected < 0: a followed file (_follow), whose size is known only at its end.
-    buffer = bytearray(chunk_bytes if expected < 0 else min(chunk_bytes, max(expected, 1)))
+    buffer = bytearray(CHUNK_BYTES if expected < 0 else min(CHUNK_BYTES, max(expected, 1)))
     step = "create"
     try:
         out_fd = os.open(target, os.O_WRONLY | os.O_CLOEXEC | flags, mode)
@@ -413,11 +411,11 @@ def publish_file(
     return Published("direct", nbytes, time.perf_counter() - started, hexdigest)
 
 
-def _digest_file(path: Path, digest: Digest, chunk_bytes: int = CHUNK_BYTES) -> str:
+def _digest_file(path: Path, digest: Digest) -> str:
     """The hexdigest of ``path``, read once in chunks (for ``rename``, which copies nothing)."""
     try:
         with open(path, "rb", buffering=0) as source:
-            buffer = bytearray(chunk_bytes)
+            buffer = bytearray(CHUNK_BYTES)
             view = memoryview(buffer)
             while count := source.readinto(buffer):
                 digest.update(view[:count])
