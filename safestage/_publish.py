@@ -66,7 +66,7 @@ RENAME_UNSUPPORTED = NOT_SUPPORTED - {errno.EPERM}
 # An owner keeps losing its fresh temp to a concurrent cleaner at most this often in a row.
 _TEMP_ATTEMPTS = 5
 
-# The empty file `auto` renames once per device to learn whether the destination can rename;
+# The file `auto` renames once per device to learn whether the destination can rename;
 # a process killed during the probe leaves it as a safestage temp that `clean` removes.
 RENAME_PROBE = "safestage-rename-probe"
 
@@ -123,13 +123,13 @@ def current_umask() -> int:
 def stat_retrying(path: Path) -> os.stat_result:
     """os.stat, retried on ESTALE: on NFS and path-based FUSE servers a concurrent rename
     over ``path`` makes a stat fail transiently (the kernel retries only once)."""
-    for attempt in range(3):
+    for _ in range(2):
         try:
             return os.stat(path)
         except OSError as exc:
-            if exc.errno != errno.ESTALE or attempt == 2:
+            if exc.errno != errno.ESTALE:
                 raise
-    raise AssertionError("unreachable")
+    return os.stat(path)
 
 
 def wanted_mode(dest: Path) -> tuple[int, Optional[os.stat_result]]:
