@@ -436,11 +436,11 @@ def _cannot_save(exc: ImportError) -> SaveReport:
 
 def _plain_save(directory: Path, timeout: float) -> SaveReport:
     """What a plain safetensors 0.8 save does here: temp file, ftruncate, rename."""
+    target = directory / "plain.safetensors"
     try:
         from safetensors.torch import save_file
 
         tensors = _sample()
-        target = directory / "plain.safetensors"
         with _patch.bypass(), _deadline(timeout):
             save_file(tensors, str(target))
     except ImportError as exc:
