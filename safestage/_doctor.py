@@ -24,9 +24,10 @@ Stable keys (schema 1)::
     staged_save     the same save through safestage, same keys.
                     result: "ok" | "failed" | "data-loss" (returned success, file missing or
                     different) | "cannot-run" (this Python cannot save safetensors at all: a
-                    missing module such as numpy, named in error) | "not-run"; errno: errno name of a failure or null; step: the
-                    publishing step that failed (staged_save only); mode: octal string of the
-                    saved file ("0600"); strategy: how safestage published it (staged_save only)
+                    missing module such as numpy, named in error) | "not-run"; errno: errno
+                    name of a failure or null; step: the publishing step that failed
+                    (staged_save only); mode: octal string of the saved file ("0600");
+                    strategy: how safestage published it (staged_save only)
     cleanup         {removed, error}: whether the probe directory (and any staged copy a
                     failed publish kept) is gone
     verdict         "plain-ok" | "needs-staging" | "unsafe" (even a staged save fails or loses
@@ -49,7 +50,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from . import _patch
 from ._config import ENV_DIR, ENV_PUBLISH, Settings, resolve
@@ -270,31 +271,35 @@ class _Recorder:
         self.timeout = timeout
 
     def run(self, step: str, action: Callable[[], object]) -> bool:
-        try:
-            with _deadline(self.timeout):
-                action()
-        except StepTimeout as exc:
-            self.fail(step, "timeout", str(exc))
-            return False
-        except OSError as exc:
-            self.fail(step, _errno_name(exc), _describe(exc))
-            return False
-        self.probe.steps[step] = "ok"
-        return True
+        failure = self._attempt(action)
+        if failure is None:
+            self.probe.steps[step] = "ok"
+        elif isinstance(failure, StepTimeout):
+            self.fail(step, "timeout", str(failure))
+        elif isinstance(failure, _Mismatch):
+            self.fail(step, "mismatch", str(failure))
+        else:
+            self.fail(step, _name_of(failure.errno) or "error", _describe(failure))
+        return failure is None
+
+    def setup(self, step: str, action: Callable[[], object]) -> bool:
+        """Prepare ``step``: if that fails, the step is "skipped" (its own call never ran)."""
+        failure = self._attempt(action)
+        if failure is not None:
+            self.fail(step, "skipped", f"set-up failed: {_describe(failure)}")
+        return failure is None
 
     def fail(self, step: str, result: str, detail: str) -> None:
         self.probe.steps[step] = result
         self.probe.details[step] = detail
 
-    def setup(self, step: str, action: Callable[[], object]) -> bool:
-        """Prepare ``step``: if that fails, the step is "skipped" (its own call never ran)."""
+    def _attempt(self, action: Callable[[], object]) -> Union[OSError, StepTimeout, None]:
         try:
             with _deadline(self.timeout):
                 action()
         except (OSError, StepTimeout) as exc:
-            self.fail(step, "skipped", f"set-up failed: {_describe(exc)}")
-            return False
-        return True
+            return exc
+        return None
 
 
 def _probe_syscalls(probe: ProbeReport, directory: Path, timeout: float) -> None:
@@ -314,7 +319,7 @@ def _probe_new_file(recorder: _Recorder, path: Path) -> None:
 
     def create() -> None:
         nonlocal fd
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = _open_for_writing(path)
 
     if not recorder.run("create", create):
         for step in ("write", "ftruncate", "fsync", "close", "read_back"):
@@ -350,7 +355,7 @@ def _probe_out_of_order(recorder: _Recorder, path: Path) -> None:
 
     def setup() -> None:
         nonlocal fd
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = _open_for_writing(path)
         write_all(fd, memoryview(_DATA))
 
     try:
@@ -362,9 +367,13 @@ def _probe_out_of_order(recorder: _Recorder, path: Path) -> None:
                 os.close(fd)
 
 
+def _open_for_writing(path: Path, flags: int = os.O_CREAT | os.O_EXCL) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CLOEXEC | flags, 0o644)
+
+
 def _make_empty(path: Path) -> None:
     # Empty on purpose: rename and chmod are probed on their own, not behind a failing upload.
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+    os.close(_open_for_writing(path))
 
 
 def _probe_renames(recorder: _Recorder, directory: Path) -> None:
@@ -392,7 +401,7 @@ def _probe_overwrite(recorder: _Recorder, path: Path) -> None:
     """Overwrite an existing file with open(O_TRUNC): how publish='direct' writes."""
 
     def write_file(flags: int) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | flags, 0o644)
+        fd = _open_for_writing(path, flags)
         try:
             write_all(fd, memoryview(_DATA))
         except OSError:
@@ -427,11 +436,11 @@ def _cannot_save(exc: ImportError) -> SaveReport:
 
 def _plain_save(directory: Path, timeout: float) -> SaveReport:
     """What a plain safetensors 0.8 save does here: temp file, ftruncate, rename."""
+    target = directory / "plain.safetensors"
     try:
         from safetensors.torch import save_file
 
         tensors = _sample()
-        target = directory / "plain.safetensors"
         with _patch.bypass(), _deadline(timeout):
             save_file(tensors, str(target))
     except ImportError as exc:
@@ -446,15 +455,12 @@ def _staged_save(
 ) -> SaveReport:
     from ._api import Stage
 
+    target = directory / "staged.safetensors"
+    stage = Stage(settings)
     try:
         from safetensors.torch import save_file
 
         tensors = _sample()
-    except ImportError as exc:
-        return _cannot_save(exc)
-    target = directory / "staged.safetensors"
-    stage = Stage(settings)
-    try:
         with _deadline(timeout), stage:
             save_file(tensors, str(target))
     except ImportError as exc:
@@ -512,15 +518,15 @@ def _conclude(report: Report) -> None:
         assert plain.error is not None
         report.problems.append(plain.error)
         report.verdict = "unknown"
-        report.recommendation = {"env": {}, "text": f"none yet: {plain.error}"}
+        report.recommendation = _recommendation(f"none yet: {plain.error}")
         return
-    if plain.result != "not-run" and plain.result != "ok":
+    if plain.result not in ("not-run", "ok"):
         report.problems.append(f"a plain safetensors save {_outcome(plain)}")
     if not report.staging.usable:
         report.problems.append(
             f"staging is not possible: the staging root {report.staging.root} is unusable"
         )
-    elif staged.result != "not-run" and staged.result != "ok":
+    elif staged.result not in ("not-run", "ok"):
         report.problems.append(f"a save through safestage {_outcome(staged)}")
     if not report.cleanup.removed and report.cleanup.error is not None:
         report.problems.append(report.cleanup.error)
@@ -547,7 +553,7 @@ def _outcome(save: SaveReport) -> str:
 def _recommend(report: Report) -> dict[str, Any]:
     staging, steps = report.staging, report.probe.steps
     if report.verdict == "unknown":
-        return {"env": {}, "text": f"none: {report.probe.error}"}
+        return _recommendation(f"none: {report.probe.error}")
     if report.verdict == "plain-ok":
         mode_note = ""
         if report.plain_save.mode == "0600":
@@ -555,49 +561,48 @@ def _recommend(report: Report) -> dict[str, Any]:
                 " Note: safetensors 0.8 leaves every saved file mode 0600 whatever the umask "
                 "(safetensors#782); a save through safestage gets 0o666 & ~umask."
             )
-        return {"env": {}, "text": f"not needed: a plain save works here.{mode_note}"}
+        return _recommendation(f"not needed: a plain save works here.{mode_note}")
     if not staging.usable:
-        return {
-            "env": {},
-            "text": f"set SAFESTAGE_DIR to a local directory (the staging root {staging.root} "
-            "is unusable), then run `safestage doctor` again",
-        }
+        return _recommendation(
+            f"set SAFESTAGE_DIR to a local directory (the staging root {staging.root} "
+            "is unusable), then run `safestage doctor` again"
+        )
     cannot_rename = _errno_value(steps.get("rename")) in NOT_SUPPORTED
     if report.staged_save.result != "ok":
         return _staged_failed(report, cannot_rename)
     # #792: mountpoint-s3 cannot rename; auto would find that out on the first save (one
     # WARNING), direct skips the failed attempt.
     publish = "direct" if cannot_rename or report.staged_save.strategy == "direct" else "auto"
-    env = {ENV_DIR: staging.root, ENV_PUBLISH: publish}
-    return {
-        "env": env,
-        "text": f"stage every save: set these in the environment, or `safestage run --dir "
+    return _recommendation(
+        f"stage every save: set these in the environment, or `safestage run --dir "
         f"{staging.root} --publish {publish} -- CMD`, or safestage.staged() in code",
-    }
+        {ENV_DIR: staging.root, ENV_PUBLISH: publish},
+    )
 
 
 def _staged_failed(report: Report, cannot_rename: bool) -> dict[str, Any]:
     staged = report.staged_save
     if cannot_rename and report.staging.publish == "replace":
-        env = {ENV_DIR: report.staging.root, ENV_PUBLISH: "direct"}
-        return {
-            "env": env,
-            "text": "this destination cannot rename: publish='replace' (from your settings) "
+        return _recommendation(
+            "this destination cannot rename: publish='replace' (from your settings) "
             "cannot work here; use SAFESTAGE_PUBLISH=direct (or auto)",
-        }
+            {ENV_DIR: report.staging.root, ENV_PUBLISH: "direct"},
+        )
     if staged.errno == "EIO" and staged.step in ("fsync", "close"):
-        return {
-            "env": {},
-            "text": "none: this destination loses data at close (fsync/close answer EIO and "
+        return _recommendation(
+            "none: this destination loses data at close (fsync/close answer EIO and "
             "the file is gone). A plain save reports success and loses the file; through "
             "safestage the save fails loudly (PublishError). Check the mount's health, "
-            "credentials and logs.",
-        }
-    return {
-        "env": {},
-        "text": "none found: a save through safestage fails too; check the destination and "
-        "the staging root",
-    }
+            "credentials and logs."
+        )
+    return _recommendation(
+        "none found: a save through safestage fails too; check the destination and "
+        "the staging root"
+    )
+
+
+def _recommendation(text: str, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    return {"env": env or {}, "text": text}
 
 
 def _errno_value(name: Optional[str]) -> Optional[int]:
@@ -606,12 +611,6 @@ def _errno_value(name: Optional[str]) -> Optional[int]:
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def _errno_name(exc: OSError) -> str:
-    if isinstance(exc, _Mismatch):
-        return "mismatch"
-    return _name_of(exc.errno) or "error"
 
 
 def _name_of(code: Optional[int]) -> Optional[str]:
@@ -628,8 +627,6 @@ def _errno_of(exc: BaseException) -> Optional[str]:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, _Mismatch):
-        return str(exc)
     if isinstance(exc, OSError) and exc.errno and not isinstance(exc, (PublishError, StagingError)):
         return f"[Errno {exc.errno}] {_name_of(exc.errno)}: {exc.strerror}"
     return f"{type(exc).__name__}: {exc}"

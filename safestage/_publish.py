@@ -8,9 +8,9 @@ Three strategies, chosen per save:
   fsync, close (checked), verify the size, then ``os.replace`` it over the final name.
   Readers see the old file or the new one, never a mix.
 - ``direct``: for destinations that cannot rename (mountpoint-s3, safetensors#792): write the
-  final name with O_CREAT|O_TRUNC, once the writer has finished (a direct save is never
-  followed). Object stores make the object visible only when close() succeeds, so it is
-  atomic there; on a POSIX filesystem readers may see a partial file.
+  final name with O_CREAT|O_TRUNC, once the writer has finished. Object stores make the
+  object visible only when close() succeeds, so it is atomic there; on a POSIX filesystem
+  readers may see a partial file.
 
 Concurrency under ``direct``: within one process, direct writes of one path take turns (a
 per-path lock). Across processes, one writer per destination file is the caller's contract,
@@ -37,10 +37,9 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Callable, Optional, Protocol, Union
 
 from ._errors import PublishError
 from ._follow import Follower, Reader
@@ -66,15 +65,8 @@ NOT_SUPPORTED = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.
 RENAME_UNSUPPORTED = NOT_SUPPORTED - {errno.EPERM}
 # An owner keeps losing its fresh temp to a concurrent cleaner at most this often in a row.
 _TEMP_ATTEMPTS = 5
-_FILE_TYPES = (
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISDIR, "a directory"),
-)
 
-# The empty file `auto` renames once per device to learn whether the destination can rename;
+# The file `auto` renames once per device to learn whether the destination can rename;
 # a process killed during the probe leaves it as a safestage temp that `clean` removes.
 RENAME_PROBE = "safestage-rename-probe"
 
@@ -110,6 +102,9 @@ class _StepFailed(Exception):
         self.unlinked_previous = False  # direct: the old file was unlinked before writing
 
 
+_umask_lock = threading.Lock()
+
+
 def current_umask() -> int:
     """The process umask, read without changing it (os.umask is racy across threads)."""
     try:
@@ -125,19 +120,16 @@ def current_umask() -> int:
     return mask
 
 
-_umask_lock = threading.Lock()
-
-
 def stat_retrying(path: Path) -> os.stat_result:
     """os.stat, retried on ESTALE: on NFS and path-based FUSE servers a concurrent rename
     over ``path`` makes a stat fail transiently (the kernel retries only once)."""
-    for attempt in range(3):
+    for _ in range(2):
         try:
             return os.stat(path)
         except OSError as exc:
-            if exc.errno != errno.ESTALE or attempt == 2:
+            if exc.errno != errno.ESTALE:
                 raise
-    raise AssertionError("unreachable")
+    return os.stat(path)
 
 
 def wanted_mode(dest: Path) -> tuple[int, Optional[os.stat_result]]:
@@ -193,7 +185,6 @@ def copy_to_new_file(
     flags: int,
     mode: int,
     fsync: bool,
-    chunk_bytes: int = CHUNK_BYTES,
     prepare: Optional[Callable[[int], None]] = None,
     before_create: Optional[Callable[[], None]] = None,
     digest: Optional[Digest] = None,
@@ -203,38 +194,23 @@ def copy_to_new_file(
     With ``follow``, read ``source`` while its writer is still writing it (see _follow): only
     into our own hidden temp (``replace``), never into a final name.
 
-    Sequential writes only, from one reusable buffer: memory stays at ``chunk_bytes`` whatever
+    Sequential writes only, from one reusable buffer: memory stays at CHUNK_BYTES whatever
     the file size. ``prepare(fd)`` runs right after the open. ``digest``, if given, is updated
     with every chunk as it is written (the bytes are read once). Returns the byte count. Raises
     _StepFailed naming the step that failed. Whatever is raised (KeyboardInterrupt too), the
     target's descriptor is closed before it propagates; removing the target is the caller's.
     """
-    if follow is not None:  # the writer is still writing: read behind it (_follow)
-        reader = follow.open()
-        try:
-            if before_create is not None:
-                before_create()
-            copied = _copy_from(reader, source, -1, target, flags=flags, mode=mode, fsync=fsync,
-                                chunk_bytes=chunk_bytes, prepare=prepare, digest=digest)  # fmt: skip
-        finally:
-            reader.close()
-        expected = reader.expected
-    else:
-        # The source is opened first: once a publish has begun, a tmp cleaner emptying the
-        # staging root cannot take the data from under it (the open file outlives the unlink).
-        try:
-            src = open(source, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
-        except OSError as exc:
-            raise _StepFailed("read", exc, source) from exc
-        with src:
-            try:
-                expected = os.fstat(src.fileno()).st_size
-            except OSError as exc:
-                raise _StepFailed("read", exc, source) from exc
-            if before_create is not None:
-                before_create()
-            copied = _copy_from(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
-                                chunk_bytes=chunk_bytes, prepare=prepare, digest=digest)  # fmt: skip
+    src = _open_source(source, follow)
+    with contextlib.closing(src):
+        expected = -1 if isinstance(src, Reader) else _size_of(src, source)
+        if before_create is not None:
+            before_create()
+        # A child forked while we write the target closes its copy at once (_fork_fds).
+        with closed_in_children(target):
+            copied = _copy_into(src, source, expected, target, flags=flags, mode=mode, fsync=fsync,
+                                prepare=prepare, digest=digest)  # fmt: skip
+    if isinstance(src, Reader):  # a followed file (_follow) is sized only at its end
+        expected = src.expected
     try:
         size = os.stat(target).st_size
     except OSError as exc:
@@ -245,16 +221,23 @@ def copy_to_new_file(
     return copied
 
 
-def _copy_from(
-    src: Union[io.FileIO, Reader],
-    source: Path,
-    expected: int,
-    target: Path,
-    **options: Any,
-) -> int:
-    # A child forked while we write the target closes its copy at once (_fork_fds).
-    with closed_in_children(target):
-        return _copy_into(src, source, expected, target, **options)
+def _open_source(source: Path, follow: Optional[Follower]) -> Union[io.FileIO, Reader]:
+    """The staged file, opened before the target is created: once a publish has begun, a tmp
+    cleaner emptying the staging root cannot take the data from under it (the open file
+    outlives the unlink). With ``follow``, a reader behind the still-running writer."""
+    if follow is not None:
+        return follow.open()
+    try:
+        return open(source, "rb", buffering=0)
+    except OSError as exc:
+        raise _StepFailed("read", exc, source) from exc
+
+
+def _size_of(src: io.FileIO, source: Path) -> int:
+    try:
+        return os.fstat(src.fileno()).st_size
+    except OSError as exc:
+        raise _StepFailed("read", exc, source) from exc
 
 
 def _copy_into(
@@ -266,12 +249,11 @@ def _copy_into(
     flags: int,
     mode: int,
     fsync: bool,
-    chunk_bytes: int,
     prepare: Optional[Callable[[int], None]],
     digest: Optional[Digest],
 ) -> int:
     # expected < 0: a followed file (_follow), whose size is known only at its end.
-    buffer = bytearray(chunk_bytes if expected < 0 else min(chunk_bytes, max(expected, 1)))
+    buffer = bytearray(CHUNK_BYTES if expected < 0 else min(CHUNK_BYTES, max(expected, 1)))
     step = "create"
     try:
         out_fd = os.open(target, os.O_WRONLY | os.O_CLOEXEC | flags, mode)
@@ -289,7 +271,9 @@ def _copy_into(
             os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         view = memoryview(buffer)
         while count := _read_chunk(src, buffer, source):  # a followed read blocks on the writer
-            _write_chunk(out_fd, view[:count], digest)
+            if digest is not None:
+                digest.update(view[:count])
+            write_all(out_fd, view[:count])
             copied += count
         if fsync:
             step = "fsync"
@@ -313,12 +297,6 @@ def _read_chunk(src: Union[io.FileIO, Reader], buffer: bytearray, source: Path) 
         return src.readinto(buffer) or 0
     except OSError as exc:  # the staging side failed, not the destination
         raise _StepFailed("read", exc, source) from exc
-
-
-def _write_chunk(fd: int, data: memoryview, digest: Optional[Digest]) -> None:
-    if digest is not None:
-        digest.update(data)
-    write_all(fd, data)
 
 
 def _match_mode(fd: int, mode: int) -> None:
@@ -412,9 +390,9 @@ def publish_file(
                 fsync_directory(directory)
             return Published("replace", nbytes, time.perf_counter() - started, hexdigest)
         except _StepFailed as failed:
-            # Only a probe of the device decides that it cannot rename (issue 9): a refused
-            # rename of this one file is this save's error. Without a verdict (the probe could
-            # not run), an answer that can only mean "no rename here" sends this one file direct.
+            # Only a probe of the device decides that it cannot rename: a refused rename of
+            # this one file is this save's error. Without a verdict (the probe could not
+            # run), an answer that can only mean "no rename here" sends this one file direct.
             unsupported = failed.step == "rename" and failed.error.errno in RENAME_UNSUPPORTED
             undecided = capabilities.strategy_for(filesystem_key(directory, dest_device)) is None
             if not (publish == "auto" and unsupported and undecided):
@@ -433,11 +411,11 @@ def publish_file(
     return Published("direct", nbytes, time.perf_counter() - started, hexdigest)
 
 
-def _digest_file(path: Path, digest: Digest, chunk_bytes: int = CHUNK_BYTES) -> str:
+def _digest_file(path: Path, digest: Digest) -> str:
     """The hexdigest of ``path``, read once in chunks (for ``rename``, which copies nothing)."""
     try:
         with open(path, "rb", buffering=0) as source:
-            buffer = bytearray(chunk_bytes)
+            buffer = bytearray(CHUNK_BYTES)
             view = memoryview(buffer)
             while count := source.readinto(buffer):
                 digest.update(view[:count])
@@ -503,7 +481,13 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
             if exc.errno not in NOT_SUPPORTED:
                 log.debug("rename probe in %s failed: %s", directory, exc)
                 return None
-            _remember_direct(key, directory, exc)
+            if capabilities.remember(key, "direct"):
+                log.warning(
+                    "the filesystem of %s cannot rename files (a probe's rename answered %s); "
+                    "publishing to it with publish='direct' from now on (set "
+                    "SAFESTAGE_PUBLISH=direct to skip the probe)",
+                    directory, _errno_text(exc),
+                )  # fmt: skip
             return False
         capabilities.remember(key, "replace")
         return True
@@ -511,17 +495,6 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
         with deferred():  # a Ctrl-C now is raised once both names are gone
             _best_effort_unlink(source)  # a refusal is logged at WARNING with the path
             _best_effort_unlink(target)
-
-
-def _remember_direct(key: Hashable, directory: Path, error: OSError) -> None:
-    if capabilities.remember(key, "direct"):
-        log.warning(
-            "the filesystem of %s cannot rename files (a probe's rename answered %s); "
-            "publishing to it with publish='direct' from now on (set "
-            "SAFESTAGE_PUBLISH=direct to skip the probe)",
-            directory,
-            _errno_text(error),
-        )
 
 
 def _replace(
@@ -539,8 +512,8 @@ def _replace(
     While it is written the temp is locked (its writing descriptor holds a flock, so cleaners
     in any PID namespace of this host leave it alone). Between its checked close and the
     rename it is not, and a cleaner that cannot see our pid (another PID namespace) may take
-    it then: the rename finds it gone, and since the staged copy is still here, we simply
-    copy again under a fresh name.
+    it then: the size check or the rename finds it gone, and since the staged copy is still
+    here, we simply copy again under a fresh name.
     """
     for _ in range(_TEMP_ATTEMPTS):
         temp = dest.parent / temp_name(dest.name)
@@ -552,11 +525,9 @@ def _replace(
             )  # fmt: skip
             try:
                 os.replace(temp, dest)
-            except FileNotFoundError as exc:
-                if not dest.parent.is_dir():
-                    raise _StepFailed("rename", exc, dest) from exc
-                raise Contended(str(temp)) from exc  # taken between close and rename
             except OSError as exc:
+                if isinstance(exc, FileNotFoundError) and dest.parent.is_dir():
+                    continue  # taken between its close and the rename (see above)
                 raise _StepFailed("rename", exc, dest) from exc
         except Contended:
             with deferred():
@@ -564,7 +535,7 @@ def _replace(
             continue
         except _StepFailed as failed:
             if failed.step == "verify" and failed.error.errno == errno.ENOENT and dest.parent.is_dir():
-                continue  # taken after its close (see above): copy again under a fresh name
+                continue  # taken between its close and the size check (see above)
             # Exclusive create means the temp is ours: never leave it beside the destination.
             if failed.step != "create":
                 with deferred():
@@ -590,6 +561,16 @@ def _lock_temp(temp: Path, write_fd: int) -> None:
     a cleaner got to it first; a filesystem without locks leaves it unlocked (its name's host
     and pid then speak for it)."""
     claim(write_fd, temp)
+
+
+_direct_locks: dict[str, threading.Lock] = {}
+_direct_locks_guard = threading.Lock()
+
+
+def _direct_lock(dest: Path) -> threading.Lock:
+    """The in-process lock of direct writes of ``dest`` (never removed: one per path written)."""
+    with _direct_locks_guard:
+        return _direct_locks.setdefault(str(dest), threading.Lock())
 
 
 def _direct(
@@ -651,6 +632,9 @@ def _direct_locked(
     return nbytes
 
 
+_UNLINK_PATIENCE_S = 1.0
+
+
 def _remove_torn(dest: Path) -> bool:
     """Remove the torn file a direct publish wrote under the final name; True if none is left.
     A refusal is retried for a moment: a child forked during the copy holds our descriptor
@@ -669,9 +653,6 @@ def _remove_torn(dest: Path) -> bool:
             log.warning("could not remove %s: %s", dest, exc)
             return False
         return True
-
-
-_UNLINK_PATIENCE_S = 1.0
 
 
 class _Aside:
@@ -733,14 +714,13 @@ class _Aside:
             self.moved = None
 
 
-_direct_locks: dict[str, threading.Lock] = {}
-_direct_locks_guard = threading.Lock()
-
-
-def _direct_lock(dest: Path) -> threading.Lock:
-    """The in-process lock of direct writes of ``dest`` (never removed: one per path written)."""
-    with _direct_locks_guard:
-        return _direct_locks.setdefault(str(dest), threading.Lock())
+_FILE_TYPES = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
 
 
 def _refuse_special_file(dest: Path, previous: os.stat_result) -> None:
@@ -857,27 +837,21 @@ def _publish_error(
     failed: _StepFailed, dest: Path, staged: Path, strategy: str, *, existed: bool
 ) -> PublishError:
     error = failed.error
+    untouched = failed.step in ("create", "inspect", "unlink", "read")  # nothing written yet
     if failed.unlinked_previous:
         state = (
             f"{dest} is gone: this process had it mapped (loaded), so it was unlinked to write "
             "a new file, and the new file could not be written"
         )
-    elif failed.step in ("create", "inspect", "unlink", "read"):
-        state = (
-            f"{dest} still holds its previous file (untouched)"
-            if existed
-            else f"nothing was written under {dest}"
-        )
-    elif strategy == "direct":
-        removed = failed.removed
-        if removed is True:
+    elif strategy == "direct" and not untouched:
+        if failed.removed is True:
             state = f"no incomplete file is left under {dest}"
-        elif removed is False:
+        elif failed.removed is False:
             state = f"{dest} may hold an incomplete file (removing it failed): do not load it"
         else:
             state = f"{dest} still holds its previous complete file"
     elif existed:
-        state = f"{dest} still holds its previous file"
+        state = f"{dest} still holds its previous file" + (" (untouched)" if untouched else "")
     else:
         state = f"nothing was written under {dest}"
     leftover = failed.leftover
