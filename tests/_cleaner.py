@@ -1,4 +1,4 @@
-"""A cleaner in another process (test_walk): reads directory paths, one per line, runs
+"""A cleaner in another process (test_invariant_walk): reads directory paths, one per line, runs
 `safestage clean`'s own function on each and answers one JSON line per path with what it
 did. Started plainly and under ``unshare --pid --fork`` (another PID namespace, where the
 saver's pid is invisible and only its locks protect it)."""

@@ -1,4 +1,4 @@
-"""A tap on the system calls safestage itself makes, to act at the N-th one (test_walk).
+"""A tap on the system calls safestage itself makes, to act at the N-th one (test_invariant_walk).
 
 Every call that a module of the ``safestage`` package (not ``safestage.testing``) makes to
 one of the functions below counts as a step of the save, in order. The tap records them (a

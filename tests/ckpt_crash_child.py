@@ -1,4 +1,4 @@
-"""One checkpoint commit, for tests/test_checkpoint_crash.py to SIGKILL at a random moment.
+"""One checkpoint commit, for tests/test_checkpoint_crash_trials.py to SIGKILL at a random moment.
 
     python ckpt_crash_child.py PARENT_PID DEST ROOT SEED PUBLISH
 

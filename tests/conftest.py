@@ -7,14 +7,24 @@ missing.
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from _support import SMALL
+from safetensors.torch import save_file
+
+import safestage
+from safestage import _patch
+from safestage.testing import hostile_mount
 
 SHM = Path("/dev/shm")
 
@@ -23,8 +33,8 @@ pytest_plugins = ["pytester"]
 # The suite's own knobs, not safestage settings: kept (for the `suite_settings` fixture) when
 # the SAFESTAGE_* variables are cleared from the environment.
 SUITE_VARIABLES = (
-    "SAFESTAGE_CRASH_TRIALS",  # test_crash.py: SIGKILL trials per run
-    "SAFESTAGE_CKPT_CRASH_TRIALS",  # test_checkpoint_crash.py: SIGKILL trials per run
+    "SAFESTAGE_CRASH_TRIALS",  # test_crash_trials.py: SIGKILL trials per run
+    "SAFESTAGE_CKPT_CRASH_TRIALS",  # test_checkpoint_crash_trials.py: SIGKILL trials per run
 )
 _suite_settings: dict[str, str] = {}
 
@@ -167,3 +177,151 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(target)], check=True)
     yield target
     subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    path = tmp_path / "scratch"
+    path.mkdir()
+    return path
+
+
+def originals() -> dict[str, object]:
+    import safetensors
+    import safetensors.numpy
+    import safetensors.torch
+
+    return {
+        "safetensors": safetensors.serialize_file,
+        "safetensors.torch": safetensors.torch.serialize_file,
+        "safetensors.numpy": safetensors.numpy.serialize_file,
+    }
+
+
+@pytest.fixture
+def restored() -> Iterator[None]:
+    """Every test here must end with the very same serialize_file objects it started with."""
+    before = originals()
+    yield
+    after = originals()
+    assert all(after[name] is before[name] for name in before), "serialize_file not restored"
+    assert not safestage.is_active() and _patch.installed_modules() == []
+
+
+@pytest.fixture
+def ro_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real tmpfs holding an old checkpoint, then remounted read-only (root ignores mode bits,
+    so chmod 0555 would prove nothing)."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(target)], check=True
+    )
+    try:
+        save_file(SMALL, str(target / "model.safetensors"))
+        subprocess.run(["mount", "-o", "remount,ro", str(target)], check=True)
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.fixture
+def mount_dir(kit_mounts: dict[str, Any]) -> Iterator[Any]:
+    """mount_dir("slow") -> a fresh directory on that kit mount (and its backing twin)."""
+    made: list[tuple[Path, Path]] = []
+
+    def make(mode: str) -> tuple[Path, Path]:
+        mount = kit_mounts[mode]
+        name = f"h-{uuid.uuid4().hex[:10]}"
+        directory = Path(mount.path) / name
+        directory.mkdir()
+        made.append((directory, Path(mount.backing) / name))
+        return directory, Path(mount.backing) / name
+
+    yield make
+    for _, backing in made:
+        shutil.rmtree(backing, ignore_errors=True)
+
+
+@pytest.fixture
+def two_tensors() -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.arange(1000, dtype=torch.float32),
+        "b": torch.tensor([1, 2, 3], dtype=torch.int8),
+    }
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    directory = SHM / f"safestage-review2-{uuid.uuid4().hex[:8]}"
+    directory.mkdir()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def eio_mount() -> Iterator[Any]:
+    with hostile_mount("close-eio") as mount:
+        yield mount
+
+
+# -- the fast tier: markers from fixtures, and no FUSE without `mounts`
+# Fixtures that mount FUSE (the kit's hostile mounts, the real rclone/s3fs mounts, the plugin's),
+# and any other fixture whose code mounts or asks for one of them by name.
+MOUNT_FIXTURES = frozenset({"kit_mounts", "kit_dir", "real_mounts", "real_dir", "_safestage_mounts"})
+_MOUNTING_CODE = re.compile(
+    r"\b(hostile_mount|real_mount|HostileMount|RealMount)\(|getfixturevalue\(\s*.(kit_mounts|real_mounts|kit_dir|real_dir)"
+)
+_running: list[pytest.Item] = []
+
+
+def _fixture_mounts(fixturedef: Any) -> bool:
+    if fixturedef.argname in MOUNT_FIXTURES:
+        return True
+    try:
+        return bool(_MOUNTING_CODE.search(inspect.getsource(fixturedef.func)))
+    except (OSError, TypeError):
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    verdicts: dict[int, bool] = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = [d for name in getattr(item, "fixturenames", ()) for d in (info.name2fixturedefs.get(name, ()) if info else ())]
+        if MOUNT_FIXTURES.intersection(getattr(item, "fixturenames", ())) or any(
+            verdicts.setdefault(id(d), _fixture_mounts(d)) for d in defs
+        ):
+            item.add_marker(pytest.mark.mounts)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The fast tier (-m "not mounts") needs no FUSE: a test without the `mounts` marker that
+    mounts anyway fails, in every tier, so the marker stays true."""
+    import functools
+
+    from safestage.testing import _mount, _real
+
+    for cls in (_mount.HostileMount, _real.RealMount):
+        if getattr(cls.start, "_suite_guard", False):
+            continue
+        start = cls.start  # what hostile_mount(), real_mount() and `with HostileMount(...)` call
+
+        @functools.wraps(start)
+        def guarded(self: Any, *args: Any, _start: Any = start, **kwargs: Any) -> Any:
+            item = _running[-1] if _running else None
+            if item is not None and item.get_closest_marker("mounts") is None:
+                pytest.fail(f"{item.nodeid}: this test mounts FUSE: mark it `mounts`", pytrace=False)
+            return _start(self, *args, **kwargs)
+
+        guarded._suite_guard = True  # type: ignore[attr-defined]
+        cls.start = guarded  # type: ignore[method-assign]

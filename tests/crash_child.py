@@ -1,4 +1,4 @@
-"""Fork server for test_crash.py: one real interpreter that imports torch once, then forks a
+"""Fork server for test_crash_trials.py: one real interpreter that imports torch once, then forks a
 fresh saver per trial, so 200+ SIGKILLs cost milliseconds each instead of a torch import.
 
 Started with ``sys.executable tests/crash_child.py``. Protocol: JSON lines on stdin, JSON lines

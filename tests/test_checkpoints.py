@@ -15,17 +15,28 @@ import os
 import pickle
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import threading
 import time
 import uuid
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _support import (
+    _NESTED,
+    _UNHASHABLE_DTYPE,
+    PY,
+    _env,
+    assert_committed,
+    seeded_tensors,
+    write_checkpoint,
+)
 from safetensors.torch import load_file, save_file
 
 import safestage
@@ -33,63 +44,6 @@ from safestage import COMMIT_NAME, PublishError
 from safestage._names import DISPOSABLE_MARKER, HOST, KEPT_RECORD, parse_stage_dir, parse_temp_name
 
 # -- a checkpoint, and what it must look like at the destination --------------------------------
-
-
-def tensors(seed: int, numel: int = 4096) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "w": torch.randn(numel, generator=generator),
-        "b16": torch.randn(257, generator=generator).to(torch.bfloat16),
-        "i8": torch.randint(-128, 127, (33,), dtype=torch.int8, generator=generator),
-    }
-
-
-def write_checkpoint(local: Path, seed: int = 0, *, numel: int = 4096, newline: bool = True) -> dict[str, bytes]:
-    """A Trainer-like tree: two safetensors shards, an index, JSON, a torch.save pickle and an
-    empty file in a subdirectory, DCP's hidden .metadata, an empty directory, a name with a
-    newline.
-    Returns {relative path: bytes}."""
-    save_file(tensors(seed, numel), str(local / "model-00001-of-00002.safetensors"))
-    save_file(tensors(seed + 1000, numel // 2), str(local / "model-00002-of-00002.safetensors"))
-    (local / "model.safetensors.index.json").write_text(json.dumps({"seed": seed}))
-    (local / "config.json").write_text(json.dumps({"hidden": 8, "seed": seed}))
-    (local / "state").mkdir()
-    torch.save({"step": seed, "lr": torch.tensor([0.1 * seed])}, local / "state" / "optimizer.pt")
-    (local / ".metadata").write_bytes(b"dcp" * (seed + 1))
-    (local / "state" / "scaler.pt").write_bytes(b"")  # empty files: rclone uploads them late
-    (local / "empty").mkdir()
-    if newline:
-        (local / "notes\nwith newline.txt").write_text(f"seed {seed}")
-    return {
-        str(path.relative_to(local)): path.read_bytes()
-        for path in sorted(local.rglob("*"))
-        if path.is_file()
-    }
-
-
-def assert_committed(dest: Path, expected: dict[str, bytes]) -> dict[str, Any]:
-    """dest holds exactly ``expected`` plus the commit file, whose entries match digests and
-    sizes computed here; every file 0644 (umask 022); no temp file. Returns the commit JSON."""
-    found = sorted(
-        str(path.relative_to(dest)) for path in dest.rglob("*") if path.is_file()
-    )
-    assert found == sorted([*expected, COMMIT_NAME]), found
-    for relative, data in expected.items():
-        assert (dest / relative).read_bytes() == data, relative
-        assert stat.S_IMODE(os.stat(dest / relative).st_mode) == 0o644, relative
-    document = json.loads((dest / COMMIT_NAME).read_bytes())
-    assert document["format"] == "safestage.commit" and document["version"] == 1
-    assert document["digest"] == "crc32"
-    assert [entry["path"] for entry in document["files"]] == sorted(expected)
-    for entry in document["files"]:
-        data = expected[entry["path"]]
-        assert entry["size"] == len(data), entry
-        assert entry["digest"] == f"{zlib.crc32(data):08x}", entry  # computed while copying
-    result = safestage.verify(dest, deep=True)
-    assert result.complete and result.problems == [] and result.extra == [], result
-    assert result.bytes_read == sum(len(data) for data in expected.values())
-    assert safestage.verify(dest).complete
-    return document
 
 
 def leftovers(root: Path) -> list[str]:
@@ -113,7 +67,7 @@ def test_round_trip_on_disk_same_filesystem_renames(tmp_path: Path, stage_root: 
     assert commit.records[-1].destination == dest / COMMIT_NAME  # the commit file last
     assert commit.manifest is not None and len(commit.manifest.files) == len(expected)
     assert leftovers(stage_root) == []
-    for name, tensor in tensors(7).items():
+    for name, tensor in seeded_tensors(7).items():
         assert torch.equal(load_file(str(dest / "model-00001-of-00002.safetensors"))[name], tensor)
 
 
@@ -228,11 +182,11 @@ def test_saves_into_the_local_dir_are_not_staged_again_even_from_other_threads(
     other = tmp_path / "other"
     other.mkdir()
     with safestage.staged(shm_root) as stage, safestage.staged_dir(tmp_path / "c", stage_root) as local:
-        save_file(tensors(0), str(local / "a.safetensors"))
-        worker = threading.Thread(target=save_file, args=(tensors(1), str(local / "b.safetensors")))
+        save_file(seeded_tensors(0), str(local / "a.safetensors"))
+        worker = threading.Thread(target=save_file, args=(seeded_tensors(1), str(local / "b.safetensors")))
         worker.start()
         worker.join()
-        save_file(tensors(2), str(other / "elsewhere.safetensors"))  # still staged
+        save_file(seeded_tensors(2), str(other / "elsewhere.safetensors"))  # still staged
         assert [record.destination for record in stage.records] == [other / "elsewhere.safetensors"]
     assert [record.destination for record in stage.records] == [other / "elsewhere.safetensors"]
     assert safestage.verify(tmp_path / "c", deep=True).complete
@@ -242,6 +196,7 @@ def test_saves_into_the_local_dir_are_not_staged_again_even_from_other_threads(
     assert _patch._unstaged_dirs == []
 
 
+@pytest.mark.slow
 def test_saves_into_the_local_dir_with_staging_from_the_environment(tmp_path: Path, shm_root: Path) -> None:
     script = (
         "import sys, torch, safestage\n"
@@ -617,7 +572,7 @@ def test_deep_verify_finds_same_size_other_content(committed: tuple[Path, dict[s
 
 def test_deep_verify_checks_safetensors_headers(tmp_path: Path, stage_root: Path) -> None:
     good = tmp_path / "good.safetensors"
-    save_file(tensors(0), str(good))
+    save_file(seeded_tensors(0), str(good))
     data = good.read_bytes()
     (length,) = __import__("struct").unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + length])
@@ -784,6 +739,7 @@ def _clean_json(directory: Path) -> dict[str, Any]:
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 def test_cli_verify_and_latest(committed: tuple[Path, dict[str, bytes]]) -> None:
     dest, expected = committed
     done = cli("verify", str(dest))
@@ -862,6 +818,7 @@ def _kill_while_publishing(dest: Path, root: Path) -> list[Path]:
     return temps
 
 
+@pytest.mark.mounts
 @pytest.mark.regression("issue 18 item 6: a SIGKILLed commit's temp files in subdirectories were never "
                         "removed, and a later successful re-commit left its top-level temp too")
 def test_a_killed_commits_temps_go_with_clean_the_next_commit_and_commit_in_place(tmp_path: Path, caplog: Any) -> None:
@@ -908,6 +865,7 @@ def test_a_killed_commits_temps_go_with_clean_the_next_commit_and_commit_in_plac
     assert all(entry["destination"] == str(dest) and f"for {dest}" in entry["reason"] for entry in entries)
 
 
+@pytest.mark.mounts
 @pytest.mark.regression("v0.2 hostile review: a background save of ckpt/model.safetensors still "
                         "publishing landed after staged_dir(ckpt) had committed a new one, over it")
 def test_a_commit_lands_after_pending_background_publishes_under_its_destination(tmp_path: Path) -> None:
@@ -1098,6 +1056,7 @@ with safestage.staged_dir(dest, root, background=1) as local:
 """
 
 
+@pytest.mark.slow
 def test_concurrent_commits_to_one_destination_are_caught_by_deep_verify(tmp_path: Path, shm_root: Path) -> None:
     """Two processes commit different contents of the same sizes to one destination at once.
     The last commit file wins and the files may be a mix of both writers: sizes cannot tell,
@@ -1121,3 +1080,147 @@ def test_concurrent_commits_to_one_destination_are_caught_by_deep_verify(tmp_pat
         assert safestage.verify(dest).complete  # sizes always match
         assert safestage.verify(dest, deep=True).complete == (tags == {tag}), (tag, tags)
     print(f"{mixed} of 8 concurrent rounds ended with a mix that deep verify caught")
+
+
+def _commit_one(dest: Path, root: Path, data: bytes = b"weights") -> None:
+    with safestage.staged_dir(dest, root) as local:
+        (local / "model.bin").write_bytes(data)
+
+
+@pytest.mark.regression("0.1 hostile review 2: verify and latest do not hang on a fifo commit file")
+def test_verify_and_latest_do_not_hang_on_a_fifo_commit_file(tmp_path: Path) -> None:
+    """read_commit opens _SAFESTAGE_COMMIT.json with O_RDONLY and no O_NONBLOCK: a FIFO of
+    that name (a hostile or broken directory) blocks open() forever. verify "never raises for
+    what it finds" and should say bad-commit; `safestage latest` must not hang a resume script."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint-7").mkdir()
+    os.mkfifo(run / "checkpoint-7" / COMMIT_NAME)
+    code = (
+        "import sys, safestage\n"
+        "r = safestage.verify(sys.argv[1] + '/checkpoint-7')\n"
+        "print(r.complete, [p.kind for p in r.problems])\n"
+        "print(safestage.latest_complete(sys.argv[1]))\n"
+    )
+    try:
+        done = subprocess.run(
+            [PY, "-c", code, str(run)], env=_env(), capture_output=True, text=True, timeout=10
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("safestage.verify() hung opening a FIFO named _SAFESTAGE_COMMIT.json")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["False ['bad-commit']", "None"]
+
+
+@pytest.mark.regression("0.1 hostile review 2: a deeply nested commit file is bad commit not recursion error")
+def test_a_deeply_nested_commit_file_is_bad_commit_not_recursion_error(tmp_path: Path, stage_root: Path) -> None:
+    """parse() catches ValueError only; json.loads of 200 kB of '[' raises RecursionError,
+    which escapes verify (documented: never raises for what it finds) and latest_complete,
+    so one garbage commit file in a run directory hides every complete checkpoint."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _commit_one(run / "checkpoint-1", stage_root)
+    (run / "checkpoint-2").mkdir()
+    (run / "checkpoint-2" / COMMIT_NAME).write_bytes(b"[" * 200_000)
+    result = safestage.verify(run / "checkpoint-2")
+    assert not result.complete
+    assert [p.kind for p in result.problems] == ["bad-commit"]
+    assert safestage.latest_complete(run) == run / "checkpoint-1"
+    cli = subprocess.run(
+        [PY, "-m", "safestage", "latest", str(run)], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.strip() == str(run / "checkpoint-1")
+
+
+@pytest.mark.regression("0.1 hostile review 2: a commit file with unsafe directories is bad commit")
+def test_a_commit_file_with_unsafe_directories_is_bad_commit(tmp_path: Path, stage_root: Path) -> None:
+    """docs/checkpoints.md: paths in the commit file are relative, never '..', absolute or
+    empty, and "a commit file that breaks this is bad-commit as a whole". parse() checks the
+    "files" paths only; "directories" may say anything and verify calls it complete."""
+    dest = tmp_path / "checkpoint-1"
+    _commit_one(dest, stage_root)
+    document = json.loads((dest / COMMIT_NAME).read_bytes())
+    document["directories"] = ["../../etc", "/abs", ""]
+    (dest / COMMIT_NAME).write_text(json.dumps(document))
+    result = safestage.verify(dest)
+    assert not result.complete
+    assert [p.kind for p in result.problems] == ["bad-commit"]
+
+
+@pytest.fixture
+def tiny_root(tmp_path: Path) -> Iterator[Path]:
+    target = tmp_path / "tiny-root"
+    target.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(target)], check=True)
+    yield target
+    subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.mark.regression("0.1 hostile review 2: a full staging root when the commit file is written names the checkpoint")
+def test_a_full_staging_root_when_the_commit_file_is_written_names_the_checkpoint(
+    tmp_path: Path, tiny_root: Path
+) -> None:
+    """_publish_commit_file writes the staged commit file (os.open/os.write) outside its
+    try: a staging root that filled up raises a bare OSError(ENOSPC) with no filename, not a
+    PublishError naming the checkpoint, saying every file landed and where the copy is kept;
+    and an empty safestage-commit.json is left in the private directory."""
+    dest = tmp_path / "checkpoint-1"
+    with pytest.raises(OSError) as caught:
+        with safestage.staged_dir(dest, tiny_root) as local:
+            fd = os.open(local / "fill.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                while True:
+                    os.write(fd, b"x" * 4096)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+            finally:
+                os.close(fd)
+    error = caught.value
+    assert error.errno == errno.ENOSPC
+    assert isinstance(error, PublishError), repr(error)
+    assert error.filename and str(dest) in str(error.filename), error.filename
+    assert error.staged_path is not None and Path(error.staged_path).is_dir()
+    assert error.landed == ("fill.bin",)
+    assert not safestage.verify(dest).complete
+
+
+def _committed_pair(parent: Path, root: Path) -> tuple[Path, Path]:
+    """checkpoint-1 and checkpoint-2, each a committed model.safetensors of 4,000+ bytes."""
+    made = []
+    for step in (1, 2):
+        directory = parent / f"checkpoint-{step}"
+        directory.mkdir()
+        save_file({"w": torch.full((1000,), float(step))}, str(directory / "model.safetensors"))
+        (directory / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        safestage.commit_in_place(directory, root)
+        made.append(directory)
+    return made[0], made[1]
+
+
+def _same_size_shard(path: Path, header: bytes) -> None:
+    """Overwrite ``path`` with a file of the same size whose header is ``header`` (padded
+    with JSON whitespace): what bit rot, a foreign writer or a torn object can leave."""
+    size = path.stat().st_size
+    assert len(header) <= size - 8
+    header = header + b" " * (size - 8 - len(header))
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    assert path.stat().st_size == size
+
+
+@pytest.mark.regression("0.1 hostile review 3: deep latest complete falls back past a same size shard with a hostile header")
+@pytest.mark.parametrize("header", [_UNHASHABLE_DTYPE, _NESTED], ids=["list-dtype", "nested-header"])
+def test_deep_latest_complete_falls_back_past_a_same_size_shard_with_a_hostile_header(
+    tmp_path: Path, root: Path, header: bytes
+) -> None:
+    """README: verify "never raises for what it finds"; latest_complete(deep=True) names the
+    newest checkpoint whose bytes match. A same-size shard whose header is valid JSON but
+    not a safetensors header (a dtype that is a list, or nesting deeper than the recursion
+    limit) makes verify(deep=True) raise TypeError / RecursionError, and latest_complete
+    with it: a resumer crashes instead of falling back to checkpoint-1."""
+    first, second = _committed_pair(tmp_path, root)
+    _same_size_shard(second / "model.safetensors", header)
+    result = safestage.verify(second, deep=True)  # raises today
+    assert not result.complete
+    assert {p.path for p in result.problems} == {"model.safetensors"}
+    assert safestage.latest_complete(tmp_path, deep=True) == first

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,13 +20,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from _support import PY, REAL, SHM, entries
 
 import safestage
 from safestage import _cli
 from safestage._names import _HOST, doctor_dir_name, parse_doctor_dir
+from safestage.testing import hostile_mount
 
 REPO = Path(__file__).resolve().parents[1]
-SHM = Path("/dev/shm")
 
 
 def clean_env(**overrides: str) -> dict[str, str]:
@@ -152,7 +154,6 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "s3fs": dict(steps={}, plain=("ok", None), staged=("ok", "replace"), publish=None,
                  verdict="plain-ok", status=0, faults=set()),
 }  # fmt: skip
-REAL = ("rclone-local", "rclone-s3", "s3fs")
 
 
 @pytest.fixture
@@ -178,6 +179,7 @@ def destination(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tupl
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.mounts
 @pytest.mark.parametrize("destination", list(EXPECTED), indirect=True)
 def test_doctor_answers_per_destination(destination, stage_root):
     name, directory, mount = destination
@@ -321,6 +323,7 @@ def test_doctor_reports_an_unusable_staging_root(tmp_path, doctor_mounts):
     assert not (tmp_path / "missing").exists()  # an explicit root is never created
 
 
+@pytest.mark.slow
 def test_doctor_uses_safestage_dir_and_reports_a_bad_variable(tmp_path, stage_root):
     dest = tmp_path / "dest"
     dest.mkdir()
@@ -336,6 +339,7 @@ def test_doctor_uses_safestage_dir_and_reports_a_bad_variable(tmp_path, stage_ro
     assert report["staged_save"]["result"] == "ok"  # probed with the default publish instead
 
 
+@pytest.mark.slow
 def test_doctor_plain_save_is_unstaged_even_when_staging_is_on(tmp_path, stage_root):
     """SAFESTAGE=1 activates staging in the doctor's own process: its plain save must not be
     staged anyway, or it would hide the failure it is there to show."""
@@ -741,3 +745,190 @@ def test_clean_keeps_a_running_doctors_probe_directory(tmp_path, capsys):
     probe.mkdir()
     assert _cli.main(["clean", str(tmp_path)]) == 0
     assert "is running" in capsys.readouterr().out and probe.exists()
+
+
+@pytest.mark.regression("0.1 hostile review of the hardening (issue 9): status and run refuse an unusable root")
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_status_and_run_refuse_an_unusable_root(tmp_path, kind):
+    root = tmp_path / "root"
+    if kind == "file":
+        root.write_text("not a directory")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    status = subprocess.run(
+        [sys.executable, "-m", "safestage", "status", "--json"],
+        capture_output=True, text=True, env={**base, "SAFESTAGE_DIR": str(root)},
+    )  # fmt: skip
+    report = json.loads(status.stdout)
+    assert status.returncode == 1 and report["would_activate"] is False and str(root) in report["error"]
+    human = subprocess.run(
+        [sys.executable, "-m", "safestage", "status"], capture_output=True, text=True,
+        env={**base, "SAFESTAGE_DIR": str(root)},
+    )  # fmt: skip
+    line = next(text for text in human.stdout.splitlines() if text.startswith("would stage"))
+    assert human.returncode == 1 and "yes" not in line, human.stdout
+    run = subprocess.run([sys.executable, "-m", "safestage", "run", "--dir", str(root), "--", "true"], capture_output=True, text=True)
+    assert run.returncode == 2 and str(root) in run.stderr
+
+
+@pytest.mark.regression("0.1 hostile review of the hardening (issue 9): doctor with an unusable root is not called unsafe")
+def test_doctor_with_an_unusable_root_is_not_called_unsafe(mount_dir, tmp_path):
+    directory, _ = mount_dir("hdfs")
+    missing = tmp_path / "no-such-root"
+    done = subprocess.run(
+        [sys.executable, "-m", "safestage", "doctor", str(directory), "--dir", str(missing), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    report = json.loads(done.stdout)
+    assert report["plain_save"]["result"] == "failed"
+    assert report["verdict"] == "staging-unusable", report["verdict"]
+    assert "SAFESTAGE_DIR" in report["recommendation"]["text"]
+
+
+@pytest.mark.regression("0.1 hostile review 1: doctor leaves its failed staged copy when the root is given through a symlink")
+def test_doctor_removes_its_failed_staged_copy_when_the_root_is_given_through_a_symlink(shm_root, tmp_path, eio_mount):
+    """README: doctor "removes its probe directory and touches nothing else". On a
+    destination where the staged save fails (the close-eio upload), the publish keeps its
+    complete staged copy and doctor means to delete it, but only if the copy's directory is
+    textually under settings.staging_root(); the StagingRoot root is the kernel's path. With
+    --dir (or SAFESTAGE_DIR) given through a symlink (/scratch -> /local/nvme/scratch), the
+    copy stays - a complete file, so no sweep or `safestage clean` ever removes it - while
+    the report says cleanup removed=True. What the user loses: disk space in the staging
+    root, one probe at a time, with nothing saying so."""
+    given = tmp_path / "scratch-link"
+    given.symlink_to(shm_root)
+    from safestage._doctor import run_doctor
+
+    report = run_doctor(Path(eio_mount.path), root=given)
+    assert report.staged_save.result == "failed" and report.cleanup.removed
+    left = [(d, entries(shm_root / d)) for d in entries(shm_root)]
+    assert not left, f"doctor said cleanup removed=True but left {left} in the staging root"
+
+
+SLOW_DOCTOR = """
+    import json, sys
+    from pathlib import Path
+    from safestage._doctor import run_doctor
+    report = run_doctor(Path(sys.argv[1]), root=Path(sys.argv[2]))
+    print(json.dumps({"verdict": report.verdict, "problems": report.problems}))
+"""
+
+
+@pytest.mark.mounts
+@pytest.mark.regression("0.1 hostile review 1: clean from another pid namespace removes a running doctors probe")
+def test_clean_from_another_pid_namespace_keeps_a_running_doctors_probe(shm_root, tmp_path):
+    """README: "A live owner holds a flock on its staging directory and on its temp file, so
+    an entry that cannot be locked is in use, also by a process in another PID namespace".
+    `safestage doctor`'s probe directory (.safestage-doctor-<host>-<pid>-<token>) is never
+    locked, so a `safestage clean` of the same directory from a container (another PID
+    namespace, where the doctor's pid does not exist) takes the lock nobody holds, decides
+    "its owner is gone" and removes the probe mid-run. What the user loses: a correct
+    diagnosis - doctor then reports ENOENT failures and calls a healthy mount "unsafe"."""
+    with hostile_mount("slow", mbps=0.2) as mount:  # a slow mount: doctor runs for seconds
+        target = Path(mount.path) / "ckpt"
+        target.mkdir()
+        base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+        doctor = subprocess.Popen([PY, "-c", textwrap.dedent(SLOW_DOCTOR), str(target), str(shm_root)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base)  # fmt: skip
+        deadline = time.monotonic() + 15
+        while not any(n.startswith(".safestage-doctor-") for n in os.listdir(target)):
+            assert time.monotonic() < deadline and doctor.poll() is None, "doctor never made its probe"
+            time.sleep(0.01)
+        time.sleep(0.2)
+        cleaned = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", PY, "-m", "safestage", "clean", str(target)],
+            capture_output=True, text=True, timeout=30, env=base,
+        )  # fmt: skip
+        out, _ = doctor.communicate(timeout=60)
+    report = json.loads(out)
+    assert "removed" not in cleaned.stdout.split("\n")[0], f"clean removed a live probe: {cleaned.stdout}"
+    assert report["verdict"] == "plain-ok", report
+
+
+@pytest.mark.regression("0.1 hostile review 1: clean on an unreadable directory is a traceback")
+def test_clean_on_an_unreadable_directory_is_a_one_line_error(tmp_path):
+    """`safestage clean PATH` where PATH exists but cannot be listed (another user's
+    checkpoint directory, a mount that refuses readdir) dies with a Python traceback from
+    os.scandir instead of the CLI's own one-line error and status; scripts that parse its
+    --json output get no JSON. (Root bypasses the permission: the test drops the
+    capabilities that let it.) What the user loses: a clear error; cron jobs log a crash."""
+    locked = tmp_path / "theirs"
+    locked.mkdir(mode=0o000)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    done = subprocess.run(
+        ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search",
+         PY, "-m", "safestage", "clean", "--json", str(locked)],
+        capture_output=True, text=True, timeout=60, env=base,
+    )  # fmt: skip
+    locked.chmod(0o700)
+    assert done.returncode in (1, 2), done
+    assert "Traceback" not in done.stderr, done.stderr[-600:]
+
+
+SLEEPER = """
+import sys, time
+try:
+    print("ready", flush=True)  # inside the try: the signal may come at once
+    time.sleep(4)
+    print("slept through", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.regression("0.1 hostile review 1: safestage run swallows a sigint sent to it")
+def test_safestage_run_passes_a_sigint_sent_to_it_on_to_the_command(tmp_path, shm_root):
+    """`safestage run -- CMD` ignores SIGINT while CMD runs, assuming Ctrl-C reaches CMD from
+    the terminal's process group. A SIGINT sent to the `safestage run` process itself - docker
+    stop with STOPSIGNAL SIGINT (it is PID 1), a supervisor's or scheduler's graceful stop,
+    Jupyter's "interrupt kernel", `kill -INT` - is dropped: CMD never learns it should stop
+    and checkpoint, and is SIGKILLed at the end of the grace period. SIGTERM and SIGHUP are
+    forwarded; SIGINT is not. What the user loses: the graceful shutdown (its last checkpoint)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    runner = subprocess.Popen(
+        [PY, "-m", "safestage", "run", "--dir", str(shm_root), "--", PY, "-c", SLEEPER],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base,
+        start_new_session=True,  # no terminal: the signal comes from another process
+    )  # fmt: skip
+    try:
+        assert runner.stdout.readline().strip() == "ready"
+        runner.send_signal(signal.SIGINT)
+        out, err = runner.communicate(timeout=15)
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+    assert "interrupted" in out, f"CMD never saw the SIGINT sent to safestage run: {out!r} {err[-300:]!r}"
+
+
+@pytest.mark.regression("0.1 hostile review 1: clean output crashes on a non utf8 leftover name")
+def test_clean_prints_a_non_utf8_leftover_name(tmp_path):
+    """A killed save of `caf\\xe9.safetensors` (a Latin-1 name, which the hostile-destination tests stage
+    fine) leaves `.caf\\xe9.safetensors.safestage-<host>-<pid>-<token>.tmp`. `safestage clean`
+    removes it, then prints the name: under a UTF-8 locale other than C (en_US.UTF-8, here
+    forced with PYTHONIOENCODING=utf-8) stdout is strict and the print raises
+    UnicodeEncodeError: a traceback, exit 1, no summary. What the user loses: the report of
+    what was removed (cron mails a crash)."""
+    from safestage._names import HOST
+
+    name = b".caf\xe9.safetensors.safestage-" + HOST.encode() + b"-999999-deadbeef.tmp"
+    (Path(os.fsdecode(bytes(tmp_path))) / os.fsdecode(name)).write_bytes(b"torn")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    done = subprocess.run([PY, "-m", "safestage", "clean", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, env={**base, "PYTHONIOENCODING": "utf-8"})  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr[-400:]
+    assert done.returncode == 0 and "1 removed" in done.stdout
+
+
+@pytest.mark.regression("0.1 hostile review 1: clean on a symlink loop says it does not exist")
+def test_clean_on_a_symlink_loop_says_it_cannot_be_resolved(tmp_path):
+    """`safestage clean PATH` where PATH is a symlink loop (a broken `latest` link chain)
+    answers "PATH does not exist: give the directory to clean" - it exists; it cannot be
+    resolved (ELOOP). The CLI tests pathlib's is_dir()/exists(), which turn every OSError
+    into False. Cosmetic: the user is sent looking for a missing directory."""
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    done = subprocess.run([PY, "-m", "safestage", "clean", str(tmp_path / "a")],
+                          capture_output=True, text=True, timeout=60, env=base)  # fmt: skip
+    assert done.returncode == 2
+    assert "does not exist" not in done.stderr, done.stderr

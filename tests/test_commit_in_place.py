@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -17,19 +18,12 @@ from typing import Any
 
 import pytest
 import torch
+from _support import _NESTED, _UNHASHABLE_DTYPE, assert_committed, write_checkpoint
 from safetensors.torch import save_file
-from test_checkpoints import assert_committed, write_checkpoint
 
 import safestage
 from safestage import COMMIT_NAME, PublishError
 from safestage._names import HOST
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    path = tmp_path / "scratch"
-    path.mkdir()
-    return path
 
 
 @pytest.mark.parametrize("kit_dir", ["hdfs", "mountpoint"], indirect=True)
@@ -105,7 +99,7 @@ def test_symlinks_are_refused(tmp_path: Path, root: Path) -> None:
     assert _refused(dest, root, "is a symlink").errno == errno.EINVAL
 
 
-def test_a_missing_directory(tmp_path: Path, root: Path) -> None:
+def test_a_missing_directory_is_a_publish_error_enoent(tmp_path: Path, root: Path) -> None:
     with pytest.raises(PublishError) as caught:
         safestage.commit_in_place(tmp_path / "nope", root)
     assert caught.value.errno == errno.ENOENT
@@ -142,3 +136,32 @@ def test_import_safestage_stays_light() -> None:
         "assert not {'transformers', 'torch'} & set(sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "SAFESTAGE": "0"})
+
+
+@pytest.mark.regression("0.1 hostile review 3: commit in place refuses a hostile file with publish error naming it")
+@pytest.mark.parametrize(
+    "name, payload",
+    [
+        ("model.safetensors", struct.pack("<Q", len(_UNHASHABLE_DTYPE)) + _UNHASHABLE_DTYPE + b"\0" * 4000),
+        ("model.safetensors", struct.pack("<Q", len(_NESTED)) + _NESTED),
+        ("trainer_state.json", b"[" * 5000 + b"]" * 5000),
+    ],
+    ids=["shard-list-dtype", "shard-nested-header", "nested-json"],
+)
+def test_commit_in_place_refuses_a_hostile_file_with_publish_error_naming_it(
+    tmp_path: Path, root: Path, name: str, payload: bytes
+) -> None:
+    """README: "A checkpoint whose read-back finds a problem raises PublishError (EBADMSG,
+    step="verify")" naming it. These files raise TypeError / RecursionError out of
+    commit_in_place (and so out of CommitCallback.on_save): no errno, no path, and a
+    caller that catches PublishError (OSError) to retry the save does not catch it."""
+    directory = tmp_path / "checkpoint-1"
+    directory.mkdir()
+    save_file({"v": torch.ones(8)}, str(directory / "other.safetensors"))
+    (directory / name).write_bytes(payload)
+    with pytest.raises(PublishError) as caught:
+        safestage.commit_in_place(directory, root)
+    assert caught.value.errno == errno.EBADMSG and caught.value.step == "verify"
+    assert name in str(caught.value)
+    assert not (directory / COMMIT_NAME).exists()
+    assert os.listdir(root) == []

@@ -12,7 +12,6 @@ import gc
 import json
 import multiprocessing
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -20,56 +19,19 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
+from _support import RCLONE, REAL, equal, run_threads, version
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import safestage
-from safestage import _patch
 from safestage._names import parse_temp_name
 from safestage._publish import RENAME_PROBE
-
-
-def version(tag: int, numel: int = 256 * 1024) -> dict[str, torch.Tensor]:
-    """Distinct, deterministic content per writer (1 MiB by default: saves overlap)."""
-    return {
-        "w": torch.arange(numel, dtype=torch.float32) + tag,
-        "tag": torch.tensor([tag], dtype=torch.int64),
-    }
-
-
-def equal(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
-    return sorted(loaded) == sorted(expected) and all(
-        torch.equal(loaded[k], v) for k, v in expected.items()
-    )
-
-
-def originals() -> dict[str, object]:
-    import safetensors
-    import safetensors.numpy
-    import safetensors.torch
-
-    return {
-        "safetensors": safetensors.serialize_file,
-        "safetensors.torch": safetensors.torch.serialize_file,
-        "safetensors.numpy": safetensors.numpy.serialize_file,
-    }
-
-
-@pytest.fixture
-def restored() -> Iterator[None]:
-    """Every test here must end with the very same serialize_file objects it started with."""
-    before = originals()
-    yield
-    after = originals()
-    assert all(after[name] is before[name] for name in before), "serialize_file not restored"
-    assert not safestage.is_active() and _patch.installed_modules() == []
 
 
 class TempWatcher:
@@ -113,10 +75,6 @@ class TempWatcher:
             )
 
 
-REAL = ("rclone-local", "rclone-s3", "s3fs")
-RCLONE = ("rclone-local", "rclone-s3")
-
-
 def _destination(
     kind: str, tmp_path: Path, mounts: Any, shm_root: Path
 ) -> tuple[Path, Path]:
@@ -154,24 +112,7 @@ def _collect(target: Any, errors: list[BaseException]) -> None:
         errors.append(exc)
 
 
-def run_threads(targets: list[Any]) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(target: Any) -> None:
-        try:
-            target()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not any(t.is_alive() for t in threads), "a saver thread hung"
-    assert not errors, errors
-
-
+@pytest.mark.mounts
 @pytest.mark.parametrize("kind", ["disk-rename", "disk-replace", "hdfs", *REAL])
 def test_eight_threads_save_distinct_files_into_one_directory(
     kind, tmp_path, request, shm_root, restored
@@ -282,6 +223,7 @@ def same_file_round(kind: str, directory: Path, root: Path, name: str) -> SameFi
     return result
 
 
+@pytest.mark.mounts
 @pytest.mark.parametrize("kind", ["disk-rename", "disk-replace", *REAL])
 def test_eight_threads_save_the_same_file_while_a_reader_loads_it(
     kind, tmp_path, request, shm_root, restored
@@ -305,8 +247,7 @@ def test_eight_threads_save_the_same_file_while_a_reader_loads_it(
     )
 
 
-
-
+@pytest.mark.mounts
 def test_eight_threads_save_the_same_file_on_hdfs_while_a_reader_loads_it(
     tmp_path, kit_mounts, restored
 ):
@@ -319,18 +260,6 @@ def test_eight_threads_save_the_same_file_on_hdfs_while_a_reader_loads_it(
         assert result.reads and result.records == 24
     assert sorted(os.listdir(directory)) == sorted(f"model-{r}.safetensors" for r in range(20))
     assert os.listdir(root) == []
-
-
-def test_background_saves_of_one_file_publish_in_order(tmp_path, shm_root, restored):
-    """Last writer wins, deterministically: eight background saves of one destination from one
-    thread publish in call order, whatever the worker threads do."""
-    dest = tmp_path / "model.safetensors"
-    with safestage.staged(shm_root, background=4) as stage:
-        for tag in range(8):
-            save_file(version(tag), str(dest))
-    assert equal(load_file(str(dest)), version(7))
-    assert len(stage.records) == 8
-    assert os.listdir(tmp_path) == ["model.safetensors"] and os.listdir(shm_root) == []
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -352,6 +281,7 @@ def _process_saver(rank: int, root: str, directory: str) -> list[str]:
     return [f"{r.destination.name}:{r.publish}" for r in stage.records]
 
 
+@pytest.mark.slow
 def test_four_processes_share_one_staging_root_and_one_directory(tmp_path, shm_root):
     directory = tmp_path / "dest"
     directory.mkdir()
@@ -460,133 +390,4 @@ def test_torchrun_two_ranks_staged_from_the_environment(tmp_path, kit_mounts):
 # -- activations overlapping across threads -----------------------------------------------------
 
 
-def test_activations_entered_and_exited_in_overlapping_order(tmp_path, shm_root, restored):
-    """Four threads open and close their own stages in random overlapping order, saving inside;
-    a fifth saves all the while without opening any. Each stage gets exactly its own thread's
-    saves; every file is complete; at the end everything is unpatched."""
-    directory = tmp_path / "dest"
-    directory.mkdir()
-    rounds = 6
-    mine: dict[int, list[list[str]]] = {t: [] for t in range(4)}
-    stop_free = threading.Event()
-    free_saves: list[str] = []
-
-    def activator(thread: int) -> Any:
-        rng = random.Random(thread)
-
-        def run() -> None:
-            for round_ in range(rounds):
-                with safestage.staged(shm_root) as stage:
-                    threading.Event().wait(rng.uniform(0, 0.004))  # let the others overlap
-                    name = f"a{thread}-{round_}.safetensors"
-                    save_file(version(10 * thread + round_, 4096), str(directory / name))
-                    threading.Event().wait(rng.uniform(0, 0.004))
-                received = [r.destination.name for r in stage.records]
-                mine[thread].append(received)
-                # Its own save, plus any the free saver made while this was the innermost stage.
-                assert received.count(name) == 1, received
-                assert all(n == name or n.startswith("free-") for n in received), (
-                    f"a stage received another activating thread's save: {received}"
-                )
-
-        return run
-
-    def free_saver() -> None:
-        index = 0
-        while not stop_free.is_set():
-            name = f"free-{index}.safetensors"
-            save_file(version(5000 + index, 4096), str(directory / name))
-            free_saves.append(name)
-            index += 1
-
-    free = threading.Thread(target=lambda: run_threads([free_saver]))
-    free.start()
-    try:
-        run_threads([activator(t) for t in range(4)])
-    finally:
-        stop_free.set()
-        free.join(60)
-    assert not free.is_alive()
-    for thread in range(4):
-        for round_ in range(rounds):
-            loaded = load_file(str(directory / f"a{thread}-{round_}.safetensors"))
-            assert equal(loaded, version(10 * thread + round_, 4096))
-    for index, name in enumerate(free_saves):
-        assert equal(load_file(str(directory / name)), version(5000 + index, 4096))
-    assert sorted(os.listdir(directory)) == sorted(
-        [f"a{t}-{r}.safetensors" for t in range(4) for r in range(rounds)] + free_saves
-    ), "a lost file or a leftover temp"
-    staged_free = [
-        n
-        for records in mine.values()
-        for received in records
-        for n in received
-        if n.startswith("free-")
-    ]
-    assert len(staged_free) == len(set(staged_free)), "a save was recorded twice"
-    assert os.listdir(shm_root) == []
-    assert _patch._active == []
-
-
-def test_a_stage_closed_by_another_thread_mid_save_still_publishes_completely(
-    tmp_path, shm_root, restored
-):
-    """Thread A's stage ends (the last one: the patch is removed) while thread B is inside a
-    save staged through it: B's file must still land complete, and A's records say so."""
-    from safestage.testing import hostile_mount
-
-    with hostile_mount("slow", None, mbps=20) as slow:
-        dest = Path(slow.path) / "model.safetensors"
-        handle = safestage.activate(shm_root)
-        saving = threading.Thread(target=save_file, args=(version(3, 1 << 20), str(dest)))
-        saving.start()
-        for _ in range(2000):  # until B's copy to the slow mount has begun
-            if any(n.startswith(".model.safetensors.") for n in os.listdir(slow.path)):
-                break
-            threading.Event().wait(0.001)
-        handle.close()  # from this thread, while B publishes
-        assert not safestage.is_active()
-        saving.join(60)
-        assert equal(load_file(str(dest)), version(3, 1 << 20))
-        assert [r.destination for r in handle.records] == [dest]
-        assert os.listdir(slow.path) == ["model.safetensors"]
-    assert os.listdir(shm_root) == []
-
-
 # -- a sweep in another activation looking at a private directory just made ---------------------
-
-
-def test_a_private_dir_locked_by_a_sweep_before_its_owner_is_not_left_behind(tmp_path, shm_root, monkeypatch):
-    """CI of stop 16: one thread's activation swept the staging root (``_sweep_dead``) while
-    another thread's save had just made its private directory and not yet locked it. The
-    sweep took the lock, found the owner (this very process) alive and kept the directory;
-    the save, finding it locked, moved on to a fresh name, and the first directory stayed in
-    the root for good. Here the sweep's lock window is reproduced with a real flock."""
-    import fcntl
-
-    from safestage import _stage
-
-    real_claim = _stage.claim
-    swept: list[Path] = []
-
-    def claim_after_a_sweep_looked(fd: int, path: Path) -> bool:
-        if not swept:  # the first private dir only: a sweep holds its lock at that moment
-            swept.append(path)
-            sweeper = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                fcntl.flock(sweeper, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return real_claim(fd, path)  # Contended: the sweep holds it
-            finally:
-                os.close(sweeper)  # the sweep saw pid alive, kept it and let go
-        return real_claim(fd, path)
-
-    directory = tmp_path / "dest"
-    directory.mkdir()
-    with safestage.staged(shm_root) as stage:
-        monkeypatch.setattr(_stage, "claim", claim_after_a_sweep_looked)  # after its own probe
-        save_file(version(1, 4096), str(directory / "m.safetensors"))
-    assert swept, "the sweep's lock window never happened"
-    assert [r.destination.name for r in stage.records] == ["m.safetensors"]
-    assert equal(load_file(str(directory / "m.safetensors")), version(1, 4096))
-    assert os.listdir(directory) == ["m.safetensors"]
-    assert os.listdir(shm_root) == [], "the private directory the sweep looked at was left behind"

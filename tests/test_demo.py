@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from safestage.testing._demo import run_demo
 
 
+@pytest.mark.mounts
 def test_demo_rows_show_plain_failures_and_staged_successes():
     rows = {row.destination.split()[0]: row for row in run_demo()}
     assert "os error 38" in rows["hdfs"].plain and not rows["hdfs"].plain_ok
@@ -28,6 +31,7 @@ def test_demo_rows_show_plain_failures_and_staged_successes():
     assert [row.verdict for row in rows.values()].count("fixed") == 7
 
 
+@pytest.mark.mounts
 def test_demo_command_exits_zero_and_prints_the_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
     result = subprocess.run(

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,3 +32,14 @@ def test_docs_and_front_page_cite_no_internal_review_rounds():
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         found = rounds.findall(path.read_text())
         assert not found, f"{path.name} cites internal rounds: {found}"
+
+
+@pytest.mark.regression("0.1 hostile review of the hardening (issue 9): the documented chunk size was not the one the code used")
+def test_the_docs_state_the_chunk_size_the_code_uses():
+    from safestage._publish import CHUNK_BYTES
+
+    docs = Path(__file__).parents[1] / "docs"
+    for page in ("guarantees.md", "design.md"):
+        text = (docs / page).read_text()
+        assert f"{CHUNK_BYTES >> 20} MiB chunks" in text, page
+        assert "8 MiB chunks" not in text or CHUNK_BYTES == 8 << 20, page

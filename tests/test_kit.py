@@ -9,7 +9,6 @@ import ctypes
 import errno
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -19,9 +18,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from _support import TMP_NAME
 
-from safestage.testing import MODES, FuseUnavailable, HostileMount, fuse_available, hostile_mount
-from safestage.testing import _mount
+from safestage.testing import (
+    MODES,
+    FuseUnavailable,
+    HostileMount,
+    _mount,
+    fuse_available,
+    hostile_mount,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -29,7 +35,6 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c
 _libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
 RENAME_NOREPLACE = 1
 AT_FDCWD = -100
-TMP_NAME = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")  # the tempfile crate's names, as safetensors uses
 
 
 # -- fixtures and helpers ------------------------------------------------------------------
@@ -99,6 +104,7 @@ def nonzero(faults: dict[str, int]) -> dict[str, int]:
 # -- the public surface ------------------------------------------------------------------
 
 
+@pytest.mark.mounts
 def test_public_api() -> None:
     import safestage.testing as kit
 
@@ -151,6 +157,7 @@ def test_import_pulls_no_heavy_modules() -> None:
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+@pytest.mark.mounts
 def test_unknown_mode_and_bad_mountpoint(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown hostile mode"):
         HostileMount("nfs")
@@ -162,6 +169,7 @@ def test_unknown_mode_and_bad_mountpoint(tmp_path: Path) -> None:
     assert (busy / "file").read_bytes() == b"x"
 
 
+@pytest.mark.mounts
 def test_missing_fuse_is_a_loud_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_mount, "_DEV_FUSE", "/nonexistent/fuse")
     ok, reason = fuse_available()
@@ -173,6 +181,7 @@ def test_missing_fuse_is_a_loud_error(monkeypatch: pytest.MonkeyPatch) -> None:
         assert hint in message
 
 
+@pytest.mark.mounts
 @pytest.mark.parametrize(
     ("exit_code", "error"), [(1, RuntimeError), (_mount._EXIT_NO_FUSE, FuseUnavailable)]
 )
@@ -191,6 +200,7 @@ def test_server_dying_before_mount_reports_its_stderr(
 # -- every mode: the passthrough part is correct -------------------------------------------
 
 
+@pytest.mark.mounts
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "close-eio"])
 def test_roundtrip_and_listing(mode: str) -> None:
     payload = os.urandom(3 * 1024 * 1024 + 17)  # several 1 MiB FUSE writes, ragged end
@@ -210,6 +220,7 @@ def test_roundtrip_and_listing(mode: str) -> None:
         assert nonzero(m.faults()) == {}  # plain create/write/read/close trips nothing
 
 
+@pytest.mark.mounts
 @pytest.mark.parametrize("mode", MODES)
 def test_created_file_mode_follows_umask(mode: str, umask022: None) -> None:
     with hostile_mount(mode) as m:
@@ -228,6 +239,7 @@ def test_created_file_mode_follows_umask(mode: str, umask022: None) -> None:
         assert sorted(os.listdir(m.path)) == ["d", "f"]
 
 
+@pytest.mark.mounts
 def test_passthrough_supports_the_rest_of_posix(umask022: None) -> None:
     with hostile_mount("passthrough") as m:
         f = m.path / "f"
@@ -270,6 +282,7 @@ def test_passthrough_supports_the_rest_of_posix(umask022: None) -> None:
 # -- each hostile mode's faults ------------------------------------------------------------
 
 
+@pytest.mark.mounts
 @pytest.mark.parametrize(("mode", "err"), [("hdfs", errno.ENOSYS), ("eopnotsupp", errno.EOPNOTSUPP)])
 def test_hdfs_like_modes_refuse_resizing(mode: str, err: int) -> None:
     with hostile_mount(mode) as m:
@@ -294,6 +307,7 @@ def test_hdfs_like_modes_refuse_resizing(mode: str, err: int) -> None:
         assert m.faults() == {"ftruncate": 2, "truncate": 1, "fallocate": 1}
 
 
+@pytest.mark.mounts
 def test_objectstore_allows_only_appends() -> None:
     with hostile_mount("objectstore") as m:
         f = m.path / "f"
@@ -321,6 +335,7 @@ def test_objectstore_allows_only_appends() -> None:
         assert nonzero(m.faults()) == {"write": 3, "ftruncate": 1, "truncate": 2, "fallocate": 1}
 
 
+@pytest.mark.mounts
 def test_mountpoint_s3_semantics() -> None:
     with hostile_mount("mountpoint") as m:
         f = m.path / "obj"
@@ -375,6 +390,7 @@ def test_mountpoint_s3_semantics() -> None:
         }
 
 
+@pytest.mark.mounts
 def test_close_eio_discards_written_files_only() -> None:
     with hostile_mount("close-eio") as m:
         (m.backing / "keep.bin").write_bytes(b"precious")
@@ -411,6 +427,7 @@ def test_close_eio_discards_written_files_only() -> None:
         assert m.faults() == {"flush": 4, "fsync": 1, "write": 1}
 
 
+@pytest.mark.mounts
 def test_slow_mode_throttles_writes() -> None:
     chunk = os.urandom(1_000_000)
     with hostile_mount("slow", mbps=100) as m:
@@ -443,6 +460,7 @@ SAFETENSORS_OUTCOME: dict[str, tuple[int | None, str | None, str]] = {
 }
 
 
+@pytest.mark.mounts
 @pytest.mark.parametrize("mode", MODES)
 def test_safetensors_save_outcome(mode: str) -> None:
     import torch
@@ -475,6 +493,7 @@ def test_safetensors_save_outcome(mode: str) -> None:
 # -- lifecycle: nothing leaks ----------------------------------------------------------------
 
 
+@pytest.mark.mounts
 def test_teardown_unmounts_reaps_and_cleans() -> None:
     with hostile_mount("hdfs") as m:
         pid, path, backing = m.server_pid, m.path, m.backing
@@ -489,6 +508,7 @@ def test_teardown_unmounts_reaps_and_cleans() -> None:
     assert not m.is_mounted()
 
 
+@pytest.mark.mounts
 def test_exception_in_block_still_unmounts_even_with_open_files() -> None:
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="test body failed"), hostile_mount("passthrough") as m:
@@ -504,6 +524,7 @@ def test_exception_in_block_still_unmounts_even_with_open_files() -> None:
         pass  # the connection is gone: ENOTCONN is fine
 
 
+@pytest.mark.mounts
 def test_given_mountpoint_and_backing(tmp_path: Path) -> None:
     backing = tmp_path / "backing"
     backing.mkdir()
@@ -523,6 +544,7 @@ def test_given_mountpoint_and_backing(tmp_path: Path) -> None:
     assert empty.is_dir() and not mounted(empty)  # an existing mountpoint dir is kept
 
 
+@pytest.mark.mounts
 def test_server_unmounts_itself_when_the_parent_dies(tmp_path: Path) -> None:
     code = textwrap.dedent(
         """
@@ -543,6 +565,7 @@ def test_server_unmounts_itself_when_the_parent_dies(tmp_path: Path) -> None:
     assert not Path(info["path"]).exists() and not Path(info["backing"]).exists()
 
 
+@pytest.mark.mounts
 def test_mountpoint_commits_only_on_the_openers_close() -> None:
     """mountpoint-s3 SEMANTICS.md: a close by another process than the opener (a forked
     child's copy of the descriptor) does not complete the upload; the opener's close does."""

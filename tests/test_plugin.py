@@ -25,6 +25,7 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
+@pytest.mark.slow
 def test_stage_fixture_records_and_restores(suite):
     suite.makepyfile(
         test_a=textwrap.dedent(
@@ -48,6 +49,7 @@ def test_stage_fixture_records_and_restores(suite):
     result.assert_outcomes(passed=2)
 
 
+@pytest.mark.mounts
 def test_hostile_fixtures_fail_plain_and_pass_staged(suite):
     suite.makepyfile(
         test_b=textwrap.dedent(
@@ -77,6 +79,7 @@ def test_hostile_fixtures_fail_plain_and_pass_staged(suite):
     result.assert_outcomes(passed=7)
 
 
+@pytest.mark.mounts
 def test_real_mount_fixture(suite):
     suite.makepyfile(
         test_r=textwrap.dedent(
@@ -109,6 +112,7 @@ def test_real_mount_fixture(suite):
     result.assert_outcomes(passed=4)
 
 
+@pytest.mark.mounts
 def test_session_option_and_ini(suite, tmp_path):
     suite.makepyfile(
         test_c=textwrap.dedent(
@@ -137,6 +141,7 @@ def test_bad_session_root_is_a_usage_error(suite, tmp_path):
     result.stderr.fnmatch_lines(["*--safestage: safestage staging root*does not exist*"])
 
 
+@pytest.mark.slow
 def test_plugin_load_imports_no_torch(suite):
     suite.makepyfile(
         test_e=textwrap.dedent(

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from _support import RCLONE, TMP_NAME
 
 from safestage._names import temp_name
 from safestage._publish import RENAME_PROBE
@@ -44,9 +45,7 @@ from safestage.testing import (
 from safestage.testing._s3 import ACCESS_KEY, REGION, SECRET_KEY, S3Error
 
 REPO = Path(__file__).resolve().parents[1]
-RCLONE = ("rclone-local", "rclone-s3")
 DELAYS = (0.1, 1.0, 3.0)  # when a listing is checked again: does a removed name come back?
-TMP_NAME = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")  # the tempfile crate's names, as safetensors uses
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
@@ -142,6 +141,7 @@ def relative_objects(mount: RealMount, directory: Path) -> list[str]:
 # -- the kit itself ----------------------------------------------------------------------------
 
 
+@pytest.mark.mounts
 def test_public_api() -> None:
     import safestage.testing as kit
 
@@ -157,6 +157,7 @@ def test_public_api() -> None:
         RealMount("s3fs", backing="/tmp")
 
 
+@pytest.mark.mounts
 def test_missing_tools_are_loud_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     for mode, hint in (("rclone-local", "apt-get install rclone"), ("rclone-s3", "apt-get install rclone"), ("s3fs", "apt-get install s3fs")):
@@ -175,6 +176,7 @@ def test_missing_tools_are_loud_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert real_available("rclone-local")[0]  # needs no S3 server
 
 
+@pytest.mark.mounts
 @pytest.mark.parametrize("mode", REAL_MODES)
 def test_teardown_even_after_an_exception_with_open_files(mode: str) -> None:
     start = time.monotonic()
@@ -199,6 +201,7 @@ def test_teardown_even_after_an_exception_with_open_files(mode: str) -> None:
     m.stop()  # idempotent
 
 
+@pytest.mark.mounts
 def test_remount_keeps_the_bytes(tmp_path: Path) -> None:
     with real_mount("rclone-local", tmp_path / "mnt", backing=tmp_path / "store") as m:
         write_new(m.path / "kept", b"bytes")
@@ -209,6 +212,7 @@ def test_remount_keeps_the_bytes(tmp_path: Path) -> None:
     assert not (tmp_path / "mnt").exists()
 
 
+@pytest.mark.mounts
 def test_a_killed_parent_leaves_no_mount_tool_or_server() -> None:
     code = textwrap.dedent(
         """
@@ -236,6 +240,7 @@ def test_a_killed_parent_leaves_no_mount_tool_or_server() -> None:
     assert not path.exists()
 
 
+@pytest.mark.mounts
 def test_a_parent_killed_while_blocked_in_the_mount_is_cleaned_up_too() -> None:
     """The parent is SIGKILLed while a read of it waits on rclone, which waits on a stalled S3
     server: the kernel cannot finish killing it until the request is answered, so it never
@@ -754,6 +759,7 @@ def test_closed_files_stay_unlinked_and_renamed(real_mounts: dict[str, RealMount
         assert relative_objects(real_mounts[mode], d) == ["renamed-to"], mode
 
 
+@pytest.mark.mounts
 @pytest.mark.parametrize("mode", RCLONE)
 def test_rclone_applies_rename_and_unlink_of_an_unreleased_empty_file_to_its_cache_only(mode: str) -> None:
     """The mechanism, made deterministic: a second descriptor (dup) keeps the write handle
@@ -775,6 +781,7 @@ def test_rclone_applies_rename_and_unlink_of_an_unreleased_empty_file_to_its_cac
         assert "b0: Running delayed rename now" in log and "File is currently open, delaying rename" in log
 
 
+@pytest.mark.mounts
 def test_an_empty_rename_probe_leaves_its_file_on_rclone_s3() -> None:
     """Why safestage's probe writes one byte: the probe of safestage 0.1 (an empty file
     created, closed, renamed, unlinked), as plain syscalls. On rclone-s3 about 3 in 4 such
@@ -797,6 +804,7 @@ def test_an_empty_rename_probe_leaves_its_file_on_rclone_s3() -> None:
         assert f"{left[0]}: Running delayed rename now" in m.server_log()
 
 
+@pytest.mark.mounts
 def test_staged_saves_leave_no_probe_file_on_rclone_s3(stage_root: Path) -> None:
     """Ten staged saves onto rclone-s3, each probing a fresh directory as a fresh filesystem
     would (the empty probe of safestage 0.1 left its file in about 3 of 4): exactly the saved
@@ -824,6 +832,7 @@ def test_staged_saves_leave_no_probe_file_on_rclone_s3(stage_root: Path) -> None
         assert sorted(m.objects()) == sorted(f"save-{i}/model.safetensors" for i in range(10))
 
 
+@pytest.mark.mounts
 def test_the_rename_probe_leaves_nothing_anywhere() -> None:
     """safestage's own probe (_publish._can_rename), five times per mode: nothing listed
     right after, after 0.1, 1 and 3 s, after a remount, nor in the store itself."""
@@ -850,4 +859,3 @@ def test_the_rename_probe_leaves_nothing_anywhere() -> None:
             m.remount()
             assert os.listdir(dirs[mode]) == ["keep"], f"{mode} after remount"
             assert relative_objects(m, dirs[mode]) == ["keep"], mode
-

@@ -29,7 +29,8 @@ from typing import Any, Callable
 import pytest
 import torch
 import wrapt
-from safetensors.torch import load_file, save_file
+from _support import changed, loads_equal, mode_of
+from safetensors.torch import save_file
 
 import safestage
 from safestage import StagingError
@@ -38,19 +39,8 @@ from safestage._names import _HOST, parse_stage_dir
 NOBODY = 65534
 
 
-def mode_of(path: Path) -> int:
-    return stat.S_IMODE(os.lstat(path).st_mode)
-
-
 def tensors(tag: int = 0, numel: int = 4096) -> dict[str, torch.Tensor]:
     return {"w": torch.arange(numel, dtype=torch.float32) + tag}
-
-
-def loads_equal(path: Path, expected: dict[str, torch.Tensor]) -> bool:
-    loaded = load_file(str(path))
-    return sorted(loaded) == sorted(expected) and all(
-        torch.equal(loaded[k], v) for k, v in expected.items()
-    )
 
 
 @contextlib.contextmanager
@@ -235,6 +225,7 @@ def test_planted_default_root_is_refused(public_tmp, tmp_path, plant):
         assert os.lstat(watched).st_uid == NOBODY and mode_of(watched) == 0o777, "not ours to chmod"
 
 
+@pytest.mark.slow
 def test_planted_default_root_from_the_environment_warns_and_runs_unstaged(public_tmp, tmp_path):
     own = _plant_symlink(public_tmp, tmp_path)
     program = (
@@ -334,6 +325,7 @@ def test_an_existing_file_keeps_its_mode(tmp_path, shm_root, kit_mounts, kind, e
     assert loads_equal(dest, tensors(1))
 
 
+@pytest.mark.mounts
 def test_the_temp_beside_a_0600_file_is_never_wider(tmp_path, shm_root):
     """A secret checkpoint (0600) replaced on a slow mount: a watcher stat()ing our temp while
     it is written sees 0600 at most, every time, under umask 022."""
@@ -365,3 +357,26 @@ def test_the_temp_beside_a_0600_file_is_never_wider(tmp_path, shm_root):
         assert modes, "the watcher never saw the temp file"
         assert all(mode & ~0o600 == 0 for mode in modes), sorted({oct(m) for m in modes})
         assert mode_of(dest) == 0o600 and loads_equal(dest, tensors(1, 1 << 20))
+
+
+def test_an_existing_destination_keeps_its_mode(tmp_path, shm_root, tensors):
+    dest = tmp_path / "model.safetensors"
+    save_file(tensors, str(dest))
+    os.chmod(dest, 0o640)
+    with safestage.staged(shm_root):
+        save_file(changed(tensors), str(dest))
+    assert mode_of(dest) == 0o640
+    os.chmod(dest, 0o666)  # wider than the umask allows at create: still kept
+    with safestage.staged(shm_root):
+        save_file(tensors, str(dest))
+    assert mode_of(dest) == 0o666
+
+
+def test_new_file_mode_follows_umask(tmp_path, shm_root, tensors):
+    os.umask(0o027)
+    with safestage.staged(shm_root):
+        save_file(tensors, str(tmp_path / "a.safetensors"))
+    with safestage.staged(tmp_path.parent):
+        save_file(tensors, str(tmp_path / "b.safetensors"))  # rename path
+    assert mode_of(tmp_path / "a.safetensors") == 0o640
+    assert mode_of(tmp_path / "b.safetensors") == 0o640

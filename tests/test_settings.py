@@ -6,14 +6,23 @@ import errno
 import os
 import pickle
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
 from pathlib import Path
 from typing import Callable
 
 import pytest
+from _support import StrPath
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 import safestage
 from safestage import ConfigError, PublishError, StagingError
-from safestage._config import Settings, resolve
+from safestage._autoload import switched_on
+from safestage._config import PUBLISH_CHOICES, Settings, resolve
 
 
 def test_argument_beats_environment_beats_default(tmp_path):
@@ -193,69 +202,6 @@ def test_staged_rejects_bad_option_before_anything_happens():
     assert not safestage.is_active()
 
 
-def test_missing_root(tmp_path):
-    with pytest.raises(StagingError) as info, safestage.staged(tmp_path / "nope"):
-        pass
-    assert info.value.errno == errno.ENOENT and str(tmp_path / "nope") in str(info.value)
-    assert "mkdir" in str(info.value)
-    assert not safestage.is_active()
-
-
-def test_root_that_is_a_file(tmp_path):
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(StagingError) as info, safestage.staged(tmp_path / "file"):
-        pass
-    assert info.value.errno == errno.ENOTDIR
-
-
-def test_read_only_root(tmp_path):
-    import subprocess
-
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
-    try:
-        with pytest.raises(StagingError) as info, safestage.staged(ro):
-            pass
-        assert info.value.errno == errno.EROFS
-        assert "read-only" in str(info.value)
-    finally:
-        subprocess.run(["umount", "-l", str(ro)], check=False)
-
-
-def test_root_on_a_fuse_mount_is_refused(kit_mounts):
-    root = Path(kit_mounts["passthrough"].path)
-    with pytest.raises(StagingError, match="local POSIX filesystem") as info, safestage.staged(root):
-        pass
-    assert "fuse" in str(info.value)
-
-
-def test_default_root_is_private_and_checked(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "tempdir", None)
-    monkeypatch.delenv("SAFESTAGE_DIR", raising=False)
-    with safestage.staged() as stage:
-        pass
-    root = tmp_path / f"safestage-{os.getuid()}"
-    assert stage.staging_root == root
-    assert root.is_dir() and (root.stat().st_mode & 0o777) == 0o700
-
-
-def test_planted_default_root_symlink_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "tempdir", None)
-    monkeypatch.delenv("SAFESTAGE_DIR", raising=False)
-    elsewhere = tmp_path / "attacker"
-    elsewhere.mkdir()
-    (tmp_path / f"safestage-{os.getuid()}").symlink_to(elsewhere)
-    with pytest.raises(StagingError, match="planted"), safestage.staged():
-        pass
-
-
 def test_errors_pickle_and_are_builtin_subclasses():
     error = PublishError(errno.EIO, "msg", "/d", staged_path="/s", step="close")
     clone = pickle.loads(pickle.dumps(error))
@@ -264,37 +210,6 @@ def test_errors_pickle_and_are_builtin_subclasses():
     staging = pickle.loads(pickle.dumps(StagingError(errno.ENOSPC, "full", "/r")))
     assert isinstance(staging, OSError) and staging.errno == errno.ENOSPC
     assert isinstance(pickle.loads(pickle.dumps(ConfigError("bad"))), ValueError)
-
-
-def test_used_stage_cannot_be_reentered(tmp_path):
-    stage = safestage.staged(tmp_path)
-    with stage:
-        pass
-    with pytest.raises(RuntimeError, match="already used"), stage:
-        pass
-
-
-def test_activation_sweeps_dead_processes_staging_dirs(tmp_path, caplog):
-    import logging
-    import subprocess
-
-    from safestage._names import _HOST
-
-    child = subprocess.Popen(["true"])
-    child.wait()
-    torn = tmp_path / f"safestage-{_HOST}-{child.pid}-0badc0de"
-    torn.mkdir()
-    (torn / ".tmpAbC123").write_bytes(b"half a shard")
-    finished = tmp_path / f"safestage-{_HOST}-{child.pid}-0000beef"
-    finished.mkdir()
-    (finished / "model.safetensors").write_bytes(b"complete copy of a failed publish")
-    live = tmp_path / f"safestage-{_HOST}-{os.getpid()}-12345678"
-    live.mkdir()
-    (tmp_path / "notes.txt").write_text("not ours")
-    with caplog.at_level(logging.WARNING, logger="safestage"), safestage.staged(tmp_path):
-        pass
-    assert sorted(os.listdir(tmp_path)) == sorted([finished.name, live.name, "notes.txt"])
-    assert any(finished.name in record.getMessage() for record in caplog.records)
 
 
 def test_mypy_sees_the_allowed_values(tmp_path):
@@ -320,3 +235,291 @@ def test_mypy_sees_the_allowed_values(tmp_path):
     assert errors == ["3", "4", "5"], result.stdout + result.stderr
     assert "Literal['auto', 'replace', 'direct'] | None" in result.stdout
     assert 'Argument "max_pending" to "activate"' in result.stdout
+
+
+VARIABLES = (
+    "SAFESTAGE",
+    "SAFESTAGE_DIR",
+    "SAFESTAGE_PUBLISH",
+    "SAFESTAGE_LOG_LEVEL",
+    "SAFESTAGE_BACKGROUND",
+    "SAFESTAGE_SKIP_LOCAL_DISK",
+    "SAFESTAGE_TORCH_SAVE",
+    # removed in 0.2: a clean ConfigError naming the replacement
+    "SAFESTAGE_FSYNC",
+    "SAFESTAGE_MAX_PENDING",
+    "SAFESTAGE_WHEN",
+    "SAFESTAGE_FOLLOW",
+)
+
+
+def _variants(words: tuple[str, ...]) -> st.SearchStrategy[str]:
+    """Valid words in any case, padded with white space: what a launcher script writes."""
+    return st.builds(
+        lambda word, upper, left, right: left + (word.upper() if upper else word) + right,
+        st.sampled_from(words),
+        st.booleans(),
+        st.sampled_from(["", " ", "\t", "\n"]),
+        st.sampled_from(["", " ", "\n"]),
+    )
+
+
+def _known_int_bug(value: object) -> bool:
+    """Strings int() rejects although str.isdigit() accepts them: they must still be ConfigErrors."""
+    if not isinstance(value, str):
+        return False
+    text = value.strip()
+    return text.isdigit() and (not text.isdecimal() or len(text) > 4000)
+
+
+ANYTHING = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=30),
+    st.binary(max_size=20),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.builds(object),
+    st.builds(StrPath, st.text(max_size=20)),
+    st.builds(StrPath, st.binary(max_size=20)),
+)
+
+
+ROOTS = st.one_of(
+    ANYTHING,
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40),
+    st.builds(
+        Path,
+        st.text(
+            alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)),
+            max_size=20,
+        ),
+    ),
+    st.sampled_from(["", " ", "\x00", "a\x00b", "/tmp", ".", "~", "relative/root"]),
+)
+
+
+COUNTS = st.one_of(
+    ANYTHING, st.integers(-3, 70), st.from_regex(r"\s*[0-9]{1,3}\s*", fullmatch=True)
+)
+
+
+def _check_settings(result: Settings) -> None:
+    assert isinstance(result, Settings)
+    assert result.root is None or (isinstance(result.root, Path) and result.root.is_absolute())
+    assert result.publish in PUBLISH_CHOICES
+    assert type(result.fsync) is bool and type(result.skip_local_disk) is bool
+    assert type(result.torch_save) is bool
+    assert type(result.background) is int and 0 <= result.background <= 64
+
+
+def _settings_or_config_error(make: Callable[[], Settings]) -> None:
+    try:
+        result = make()
+    except ConfigError as exc:
+        message = str(exc)
+        assert message and "\n" not in message, message  # one clean line naming the option
+        assert "from " in message or " is removed" in message, (
+            f"the message must say where the value came from: {message}"
+        )
+        return
+    _check_settings(result)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    root=ROOTS,
+    publish=st.one_of(ANYTHING, _variants(PUBLISH_CHOICES)),
+    fsync=ANYTHING,
+    background=COUNTS,
+    skip_local_disk=ANYTHING,
+)
+@example(root=None, publish="auto", fsync=True, background=False, skip_local_disk=False)
+@example(root=b"\xff\xfe", publish=" DIRECT\n", fsync=False, background="64", skip_local_disk=True)
+def test_fuzzed_staged_arguments_give_settings_or_a_config_error(
+    root, publish, fsync, background, skip_local_disk
+):
+    if _known_int_bug(background):
+        return
+    _settings_or_config_error(
+        lambda: (
+            safestage.staged(
+                root,
+                publish=publish,
+                fsync=fsync,
+                background=background,
+                skip_local_disk=skip_local_disk,
+            ).settings
+        )
+    )
+
+
+ENV_TEXT = st.one_of(
+    st.text(
+        alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)),
+        max_size=20,
+    ),
+    st.sampled_from(
+        ["", " ", "0", "1", "true", "off", "YES", "2", "64", "65", "-1", "1.5", "\t1\n"]
+    ),
+    _variants((*PUBLISH_CHOICES, "always", "auto", "DEBUG", "INFO", "WARNING", "1", "0", "yes", "no")),
+)
+
+
+ENVIRONMENTS = st.dictionaries(st.sampled_from(VARIABLES), ENV_TEXT, max_size=len(VARIABLES))
+
+
+@settings(max_examples=400, deadline=None)
+@given(environ=ENVIRONMENTS)
+@example(
+    environ={"SAFESTAGE_BACKGROUND": " 7 ", "SAFESTAGE_PUBLISH": "Direct", "SAFESTAGE_SKIP_LOCAL_DISK": "no"}
+)
+@example(environ={"SAFESTAGE": "yes", "SAFESTAGE_DIR": "   "})
+def test_fuzzed_environment_gives_settings_or_a_config_error(environ):
+    if _known_int_bug(environ.get("SAFESTAGE_BACKGROUND")):
+        return
+    _settings_or_config_error(lambda: resolve(environ=environ))
+    try:
+        on = switched_on(environ)
+    except ConfigError as exc:
+        assert "SAFESTAGE" in str(exc)
+    else:
+        assert type(on) is bool
+        if environ.get("SAFESTAGE", "").strip() == "0":
+            assert on is False  # SAFESTAGE=0 wins over SAFESTAGE_DIR
+
+
+@pytest.mark.parametrize("text", ["²", "9" * 5000])
+def test_digit_like_counts_are_config_errors(text):
+    for make in (
+        lambda: resolve(environ={"SAFESTAGE_BACKGROUND": text}),
+        lambda: resolve(background=text, environ={}),
+    ):
+        try:
+            make()
+        except ConfigError:
+            continue
+        except Exception as exc:  # the bug: anything else escapes
+            raise AssertionError(f"{type(exc).__name__}: {exc}") from exc
+        raise AssertionError("accepted")
+
+
+PROGRAM = textwrap.dedent(
+    """
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    import safestage
+    arrays = {"x": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    save_file(arrays, "out.safetensors")
+    safestage.wait()  # SAFESTAGE_BACKGROUND=1: the save returned once staged; publishing goes on
+    assert (load_file("out.safetensors")["x"] == arrays["x"]).all()
+    print("saved", "staged" if safestage.is_active() else "unstaged")
+    """
+)
+
+
+def run_program(environ: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
+    env.update(environ, TMPDIR=str(cwd))  # the default root lands in the example's own dir
+    return subprocess.run(
+        [sys.executable, "-c", PROGRAM],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _warnings(stderr: str) -> int:
+    return stderr.count("safestage: WARNING") + stderr.count("safestage: ERROR")
+
+
+def test_a_bad_log_level_warns_once_and_keeps_staging_on(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    completed = run_program({"SAFESTAGE_DIR": str(root), "SAFESTAGE_LOG_LEVEL": "loud"}, tmp_path)
+    assert completed.returncode == 0 and "Traceback" not in completed.stderr, completed.stderr
+    assert _warnings(completed.stderr) == 1 and "SAFESTAGE_LOG_LEVEL" in completed.stderr, (
+        completed.stderr
+    )
+    assert "saved staged" in completed.stdout, completed.stderr
+
+
+def test_a_digit_like_log_level_warns_once_and_keeps_staging_on(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    completed = run_program({"SAFESTAGE_DIR": str(root), "SAFESTAGE_LOG_LEVEL": "²"}, tmp_path)
+    assert completed.returncode == 0 and "Traceback" not in completed.stderr, completed.stderr
+    assert _warnings(completed.stderr) == 1, completed.stderr
+    assert "saved staged" in completed.stdout, (
+        f"a bad log level switched staging off: {completed.stderr}"
+    )
+
+
+# A SAFESTAGE_DIR relative to the example's cwd: blank, existing, missing, a file, odd names.
+DIRS = st.one_of(
+    st.sampled_from(["", "  ", "root", "missing/deeper", "a-file", "root/", "./root"]),
+    st.text(
+        alphabet=st.characters(blacklist_characters="\x00/.", blacklist_categories=("Cs",)),
+        min_size=1,
+        max_size=12,
+    ),
+)
+
+
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    environ=st.fixed_dictionaries(
+        {},
+        optional={
+            "SAFESTAGE": ENV_TEXT,
+            "SAFESTAGE_DIR": DIRS,
+            "SAFESTAGE_PUBLISH": ENV_TEXT,
+            "SAFESTAGE_LOG_LEVEL": st.one_of(ENV_TEXT.filter(lambda t: not _known_int_bug(t))),
+            "SAFESTAGE_BACKGROUND": ENV_TEXT.filter(lambda t: not _known_int_bug(t)),
+            "SAFESTAGE_SKIP_LOCAL_DISK": ENV_TEXT,
+            "SAFESTAGE_MAX_PENDING": ENV_TEXT,  # removed: one warning naming the replacement
+            "SAFESTAGE_WHEN": ENV_TEXT,
+        },
+    )
+)
+@example(environ={"SAFESTAGE_DIR": "root", "SAFESTAGE_PUBLISH": "sideways"})
+@example(environ={"SAFESTAGE": "1", "SAFESTAGE_LOG_LEVEL": "DEBUG"})
+@example(environ={"SAFESTAGE_DIR": "missing/deeper"})
+def test_a_program_with_fuzzed_variables_runs_on_with_at_most_one_warning(environ):
+    cwd = Path(tempfile.mkdtemp(prefix="safestage-fuzz-"))
+    try:  # not tmp_path: hypothesis runs many examples per test call
+        (cwd / "root").mkdir()
+        (cwd / "a-file").write_text("not a directory")
+        completed = run_program(environ, cwd)
+        report = f"env={environ!r}\nstdout={completed.stdout}\nstderr={completed.stderr}"
+        assert completed.returncode == 0, report
+        assert "Traceback" not in completed.stderr, report
+        # One warning for the activation (the first bad variable, or an unusable root), and
+        # one more only if SAFESTAGE_LOG_LEVEL, read before anything else, is bad as well.
+        warnings = [
+            line for line in completed.stderr.splitlines() if line.startswith("safestage: WARNING")
+        ]
+        activation = [
+            w
+            for w in warnings
+            if "SAFESTAGE_LOG_LEVEL=" not in w.split(" is not a logging level")[0]
+        ]
+        assert len(activation) <= 1 and len(warnings) - len(activation) <= 1, report
+        assert "saved" in completed.stdout, report
+        default_root = f"safestage-{os.getuid()}"
+        names = {p.name for p in cwd.iterdir()}
+        assert names <= {"a-file", "out.safetensors", "root", default_root}, (
+            f"created {names}: {report}"
+        )
+        for root in ("root", default_root):
+            assert not (cwd / root).exists() or not any((cwd / root).iterdir()), (
+                f"leftover in {root}: {report}"
+            )
+    finally:
+        shutil.rmtree(cwd, ignore_errors=True)

@@ -227,6 +227,7 @@ def test_a_wrapper_over_ours_is_left_alone(tmp_path, shm_root):
         torch.save = ORIGINAL
 
 
+@pytest.mark.slow
 def test_the_wrapper_looks_like_torch_save_and_pickles(tmp_path, shm_root):
     """One wrapper for both globals (one function, as unpatched), the same signature, and it
     pickles as a reference (torch.save handed to a spawned process or a ProcessPoolExecutor)."""
@@ -577,3 +578,19 @@ def test_safestage_run_torch_save_and_status(kit_mounts, shm_root, tmp_path):
     env["SAFESTAGE_TORCH_SAVE"] = "0"
     status = subprocess.run([sys.executable, "-m", "safestage", "status"], env=env, capture_output=True, text=True, timeout=120)
     assert "torch.save not staged" in status.stdout
+
+
+@pytest.mark.regression("0.1 hostile review 2: torch save to a character device does not replace it")
+def test_torch_save_to_a_character_device_does_not_replace_it(tmp_path: Path, shm_dir: Path) -> None:
+    """torch.save(obj, "/dev/null") is a common way to measure or exercise serialization.
+    With torch_save=True the wrapper stages it and publishes with `replace`, which renames a
+    regular file over the device node (as root: /dev/null becomes a 1 kB regular file;
+    otherwise EACCES where a plain torch.save works). Shown on a null
+    device node made in tmp_path, never the real /dev/null."""
+    null = tmp_path / "null"
+    os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    with safestage.staged(shm_dir, torch_save=True):
+        torch.save({"a": torch.ones(3)}, null)
+    info = os.lstat(null)
+    assert stat.S_ISCHR(info.st_mode), "the device node was replaced by a regular file"
+    assert info.st_rdev == os.makedev(1, 3)

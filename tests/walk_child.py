@@ -1,4 +1,4 @@
-"""The life of a save that test_walk walks, and a fork server that SIGKILLs it at step N.
+"""The life of a save that test_invariant_walk walks, and a fork server that SIGKILLs it at step N.
 
 ``life()`` is the whole life of a save: activate (root checks and the sweep), serialize,
 stage, publish (every step), close. As a script this is a fork server: it imports torch

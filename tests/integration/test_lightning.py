@@ -30,12 +30,14 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from _helpers import HERE, PROJECT, clean_env, fresh_dir
 
 import safestage
+from safestage import COMMIT_NAME, PublishError
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +52,7 @@ def _signal_handlers_restored():
     """Lightning installs a SIGTERM handler during fit and removes it in its teardown, which
     an error raised twice by AsyncCheckpointIO cuts short: the handler stays in the process.
     Forked workers of later tests would inherit it and ignore multiprocessing's terminate()
-    (a Pool in test_hardening hung so), so put it back."""
+    (a Pool in the fork tests hung so), so put it back."""
     import signal
 
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
@@ -512,6 +514,7 @@ def test_async_checkpoint_io_inside_the_plugin_is_refused_naming_what_to_write(s
     lightning_io.AsyncCheckpointIO(StagedCheckpointIO(shm_root))
 
 
+@pytest.mark.mounts
 @pytest.mark.regression("v0.2 hostile review: under AsyncCheckpointIO a save still queued on its thread is invisible to remove_checkpoint, and the checkpoint stays")
 def test_top_k_removal_is_in_order_in_background_and_lightnings_under_async_checkpoint_io(tmp_path):
     """ModelCheckpoint's order (save the new checkpoint, then remove the old one) with 0.8 s
@@ -550,3 +553,97 @@ def test_top_k_removal_is_in_order_in_background_and_lightnings_under_async_chec
     listing = listings["async"]
     assert names[0] not in listing and names[2] in listing, listing  # e0's save was running: removed after it
     assert os.listdir(root) == []
+
+
+@pytest.mark.regression("0.1 hostile review 2: lightning background save then load loads the new checkpoint")
+def test_lightning_background_save_then_load_loads_the_new_checkpoint(
+    kit_mounts: dict[str, Any], stage_root: Path
+) -> None:
+    """StagedCheckpointIO(background=True).load_checkpoint does not wait for the pending
+    publish of that path (remove_checkpoint does): fabric.save(p, v2); fabric.load(p) returns
+    v1 (or FileNotFoundError for a first save). Plain Lightning would load v2."""
+    from safestage.lightning import StagedCheckpointIO
+
+    directory = Path(kit_mounts["slow"].path) / f"t-{uuid.uuid4().hex[:8]}"
+    directory.mkdir()
+    plugin = StagedCheckpointIO(stage_root, background=True)
+    path = str(directory / "last.ckpt")
+    plugin.save_checkpoint({"v": torch.full((4_000_000,), 1.0)}, path)
+    safestage.wait()
+    plugin.save_checkpoint({"v": torch.full((4_000_000,), 2.0)}, path)
+    loaded = plugin.load_checkpoint(path)
+    safestage.wait()
+    assert loaded["v"][0].item() == 2.0, "load_checkpoint returned the previous checkpoint"
+
+
+@pytest.mark.regression("0.1 hostile review 2: lightning background save inside staged dir is committed complete")
+def test_lightning_background_save_inside_staged_dir_is_committed_complete(
+    tmp_path: Path, stage_root: Path, shm_dir: Path
+) -> None:
+    """save_one / save_one_background ignore staged_dir's unstaged local directory (the
+    torch.save and serialize_file wrappers honour it). With background=True the publish into
+    `local` is still in flight when the block ends: the commit scans a half-written
+    .model.ckpt.safestage-*.tmp, commits it, leaves model.ckpt out, and removes `local`;
+    latest_complete names a checkpoint that has no model.ckpt."""
+    from safestage.lightning import StagedCheckpointIO
+
+    plugin = StagedCheckpointIO(stage_root, background=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    dest = run / "checkpoint-1"
+    state = {"v": torch.arange(8_000_000, dtype=torch.float32)}
+    with safestage.staged_dir(dest, shm_dir) as local:
+        plugin.save_checkpoint(state, str(local / "model.ckpt"))
+    try:
+        safestage.wait()
+        failure = None
+    except PublishError as exc:  # the publish into `local`, removed by the commit meanwhile
+        failure = exc
+    assert sorted(os.listdir(dest)) == [COMMIT_NAME, "model.ckpt"]
+    assert safestage.latest_complete(run) == dest
+    assert torch.equal(torch.load(dest / "model.ckpt")["v"], state["v"])
+    assert failure is None, failure
+
+
+@pytest.mark.regression("0.1 hostile review 2: lightning background save into a staged file path is published")
+def test_lightning_background_save_into_a_staged_file_path_is_published(
+    tmp_path: Path, stage_root: Path, shm_dir: Path
+) -> None:
+    """docs/writers.md: "any save (torch or safetensors) into the path staged_file yields ...
+    is already staged". StagedCheckpointIO(background=True) stages it again and publishes
+    into that path later: staged_file finds nothing written (StagingError ENOENT), and the
+    checkpoint never reaches its destination."""
+    from safestage.lightning import StagedCheckpointIO
+
+    plugin = StagedCheckpointIO(stage_root, background=True)
+    dest = tmp_path / "last.ckpt"
+    state = {"v": torch.arange(4_000_000, dtype=torch.float32)}
+    with safestage.staged_file(dest, shm_dir) as local:
+        plugin.save_checkpoint(state, str(local))
+    safestage.wait()
+    assert torch.equal(torch.load(dest)["v"], state["v"])
+
+
+@pytest.mark.mounts
+@pytest.mark.regression("0.1 hostile review 3: lightning background load by the kernels path reads the new save")
+def test_lightning_background_load_by_the_kernels_path_reads_the_new_save(tmp_path: Path, root: Path) -> None:
+    """StagedCheckpointIO(background=True).load_checkpoint promises "a load right after a save
+    must read that save, never the file it replaces". It looks the pending publish up by
+    os.path.abspath text, while the publisher (and _paths: "paths as the kernel resolves
+    them, never as text") keys by the kernel's path. A checkpoint saved through a symlinked
+    run directory (~/runs -> /mnt/hdfs/runs) and loaded by its real path does not wait:
+    the load returns the previous checkpoint's tensors."""
+    from safestage.lightning import StagedCheckpointIO
+    from safestage.testing import hostile_mount
+
+    with hostile_mount("slow", tmp_path / "mnt", mbps=4) as mount:
+        real = Path(mount.path) / "ckpts"
+        real.mkdir()
+        alias = tmp_path / "ckpts-link"
+        alias.symlink_to(real)
+        torch.save({"step": 1, "w": torch.zeros(10)}, real / "last.ckpt")  # the previous save
+        plugin = StagedCheckpointIO(root, background=True)
+        plugin.save_checkpoint({"step": 2, "w": torch.ones(1 << 20)}, alias / "last.ckpt")  # 4 MiB: ~1 s
+        loaded = plugin.load_checkpoint(real / "last.ckpt")
+        plugin.teardown()
+        assert loaded["step"] == 2

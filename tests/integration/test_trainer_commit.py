@@ -31,10 +31,11 @@ import pytest
 import torch
 import transformers
 from _helpers import files_under, fresh_dir, stray_files
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers.trainer_utils import get_last_checkpoint
 
 import safestage
+from safestage import PublishError
 from safestage.testing import hostile_mount
 from safestage.transformers import CommitCallback
 
@@ -246,6 +247,7 @@ def _train(output_dir: Path, resume: Path | None, limit: int | None) -> tuple[Co
     return commit, probe
 
 
+@pytest.mark.slow
 def test_a_committed_checkpoint_rewritten_by_a_resumed_run_loses_its_commit_file_first(tmp_path, caplog):
     output_dir = tmp_path / "run"
     commit, probe = _train(output_dir, None, None)
@@ -312,6 +314,7 @@ def slow_hdfs(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield mount
 
 
+@pytest.mark.mounts
 @pytest.mark.regression(
     "issue 18 item 5: with SAFESTAGE_BACKGROUND=1 a checkpoint the rotation deleted while its files "
     "were publishing stopped the run (PublishError ENOENT from on_save) and kept a staged copy that "
@@ -354,6 +357,7 @@ def _publish_then_remove(checkpoint: Path, file: str, removed: Path) -> None:
     shutil.rmtree(removed, ignore_errors=True)
 
 
+@pytest.mark.mounts
 @pytest.mark.regression(
     "issue 18 item 5: with SAFESTAGE_BACKGROUND=1 a checkpoint the rotation deleted while its files "
     "were publishing stopped the run (PublishError ENOENT from on_save) and kept a staged copy that "
@@ -376,6 +380,7 @@ def test_a_publish_that_failed_because_the_rotation_deleted_its_checkpoint_is_a_
     assert not checkpoint.exists()
 
 
+@pytest.mark.mounts
 @pytest.mark.regression("issue 18 item 5: only a file of a checkpoint the rotation deleted is forgiven")
 def test_a_publish_that_failed_with_enoent_in_a_checkpoint_still_there_is_raised(slow_hdfs, tmp_path):
     output_dir = fresh_dir(slow_hdfs, "run")
@@ -404,6 +409,7 @@ class _Messages(logging.Handler):
         self.texts.append(record.getMessage())
 
 
+@pytest.mark.mounts
 @pytest.mark.regression(
     "issue 18 item 11: with SAFESTAGE_BACKGROUND=1 and load_best_model_at_end=True the Trainer "
     "logged a false 'Could not locate the best model': its model.safetensors was still publishing"
@@ -455,3 +461,26 @@ def test_load_best_model_at_end_in_background_mode_finds_the_best_checkpoint_wit
             assert torch.equal(weights[name], tensor), name  # the best model is the one loaded
     else:
         assert lost, "the Trainer found the best model without the callback: update docs/integrations.md"
+
+
+@pytest.mark.regression("0.1 hostile review 3: commit callback on save raises publish error for a hostile json")
+def test_commit_callback_on_save_raises_publish_error_for_a_hostile_json(tmp_path: Path, root: Path) -> None:
+    """The same through the Trainer callback's hook: on_save must raise PublishError EBADMSG
+    (the documented way the run stops), not RecursionError."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from safestage.transformers import CommitCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    state = TrainerState()
+    state.global_step = 4
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    save_file({"w": torch.ones(8)}, str(checkpoint / "model.safetensors"))
+    (checkpoint / "trainer_state.json").write_bytes(b'{"a":' * 3000 + b"1" + b"}" * 3000)
+    callback = CommitCallback(root)
+    with pytest.raises(PublishError) as caught:
+        callback.on_save(args, state, TrainerControl())
+    assert caught.value.errno == errno.EBADMSG
+    assert "trainer_state.json" in str(caught.value)
+    assert safestage.latest_complete(tmp_path) is None

@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
+from _support import CALIBRATION_RUNS, EXTRA_TRIALS
+from ckpt_crash_child import generation
 
 import safestage
 from safestage import COMMIT_NAME
@@ -54,10 +56,9 @@ from safestage._clean import clean
 from safestage._manifest import FileEntry, new_manifest
 from safestage._names import DISPOSABLE_MARKER, parse_stage_dir, parse_temp_name
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_crash_child import generation
-
 CHILD = Path(__file__).with_name("ckpt_crash_child.py")
+
+
 # Trials are shared by weight: a commit onto s3fs or rclone (moto) takes ~2 s, elsewhere ~0.2 s.
 WEIGHTS = {
     "disk-rename": 3,
@@ -66,14 +67,26 @@ WEIGHTS = {
     "s3fs-replace": 1,
     "rclone-s3-replace": 1,
 }
+
+
 DESTINATIONS = tuple(WEIGHTS)
+
+
 DEFAULT_TRIALS = 240  # about 3 minutes on 2 shared cores
+
+
 MIN_TRIALS = 12  # per destination: enough to see every outcome
+
+
 TRIALS_VARIABLE = "SAFESTAGE_CKPT_CRASH_TRIALS"  # kept from conftest's purge of SAFESTAGE_*
-CALIBRATION_RUNS = 3
+
+
 GEN_A, GEN_B = 1, 2  # checkpoint-1, and checkpoint-2 before a re-commit
 
+
 OUTCOMES = ("new", "old-kept", "fell-back", "wrong")
+
+
 PHASES = ("before-staging", "writing", "publishing", "committed-cleanup", "completed")
 
 
@@ -136,9 +149,6 @@ def trials_for(kind: str, settings: dict[str, str]) -> int:
     return max(MIN_TRIALS, round(total * WEIGHTS[kind] / sum(WEIGHTS.values())))
 
 
-# -- the child ----------------------------------------------------------------------------------
-
-
 @dataclass
 class Run:
     pid: int
@@ -180,9 +190,6 @@ def _read_lines(child: subprocess.Popen[bytes], count: int, timeout: float) -> l
         assert chunk, f"the child exited before it was ready (status {child.wait()})"
         buffer += chunk
     return buffer.decode().splitlines()
-
-
-# -- destinations -------------------------------------------------------------------------------
 
 
 def make_destination(kind: str, tmp_path: Path, kit_mounts: dict[str, Any], real_mounts: dict[str, Any]) -> Destination:
@@ -239,9 +246,6 @@ def retrying(read: Callable[[], Any]) -> Any:
         except PermissionError:
             time.sleep(0.01)
     return read()
-
-
-# -- judging one trial ----------------------------------------------------------------------------
 
 
 def generation_of(directory: Path) -> Optional[int]:
@@ -323,12 +327,9 @@ def check_leftovers(dest: Destination, run: Run, new_seed: int, tally: Tally) ->
     return phase
 
 
-# -- the test -----------------------------------------------------------------------------------
-
-
 class KillPlanner:
     """Kill times spread over the block (writing the local copy) and the commit (publishing),
-    from the durations of complete runs; strata as in test_crash."""
+    from the durations of complete runs; strata as in test_crash_trials."""
 
     def __init__(self, seed: str) -> None:
         self.rng = random.Random(seed)
@@ -360,7 +361,6 @@ class KillPlanner:
 
 # Every destination must show each outcome: the kills really spread over the commit.
 REQUIRED = ("new", "old-kept", "fell-back")
-EXTRA_TRIALS = 24
 
 
 @pytest.mark.parametrize("kind", DESTINATIONS)

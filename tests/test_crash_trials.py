@@ -50,25 +50,36 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from _support import CALIBRATION_RUNS, EXTRA_TRIALS
+from crash_child import make_tensors
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save, save_file
 
 from safestage._names import _HOST, parse_stage_dir, parse_temp_name
 from safestage._publish import RENAME_PROBE
 
-sys.path.insert(0, str(Path(__file__).parent))
-from crash_child import make_tensors
-
 CHILD = Path(__file__).with_name("crash_child.py")
+
+
 BATCH = 13  # trials between two `safestage clean` runs (bounds disk use)
-CALIBRATION_RUNS = 3
+
+
 PLANTED = "notes-not-safestage.txt"
+
+
 NEAR_MISS = ".m000.safetensors.safestage-host-1-XYZ.tmp"  # safestage-like, but no hex token
+
+
 # Leftover-shaped entries whose owner (this test process) is alive: clean must keep them.
 LIVE_TEMP = f".m000.safetensors.safestage-{_HOST}-{os.getpid()}-0123abcd.tmp"
+
+
 LIVE_DIR = f"safestage-{_HOST}-{os.getpid()}-0123abcd"
 
+
 OUTCOMES = ("old", "new", "refused", "wrong", "missing")
+
+
 PHASES = (
     "before-staging",
     "serializing",
@@ -78,9 +89,6 @@ PHASES = (
     "published-cleanup",
     "completed",
 )
-
-
-# -- the fork server ----------------------------------------------------------------------------
 
 
 class ForkServer:
@@ -193,9 +201,6 @@ def run_save(
     return Result(pid, done, int(reaped["signal"]))
 
 
-# -- destinations -------------------------------------------------------------------------------
-
-
 @dataclass
 class Destination:
     name: str
@@ -244,8 +249,6 @@ def summary_table() -> str:
     return "\n".join(lines)
 
 
-# -- how many trials ------------------------------------------------------------------------------
-
 # rclone-local is left out: its replace is the same code path as rclone-s3's, without an S3
 # server behind it.
 KINDS = [
@@ -257,6 +260,8 @@ KINDS = [
     "rclone-s3-replace",
     "s3fs-replace",
 ]
+
+
 # A destination's share of the run's trials. A trial onto a real mount costs far more than
 # one onto the kit: an upload to the local S3 server (rclone: and its write-back delay).
 WEIGHTS = {
@@ -268,8 +273,14 @@ WEIGHTS = {
     "rclone-s3-replace": 2,
     "s3fs-replace": 4,
 }
+
+
 DEFAULT_TRIALS = 250  # the whole test in about 3 minutes on 2 shared cores
+
+
 MIN_TRIALS = 8  # per destination, whatever the total: enough to hit the required phases
+
+
 TRIALS_VARIABLE = "SAFESTAGE_CRASH_TRIALS"  # kept from conftest's purge of SAFESTAGE_*
 
 
@@ -340,9 +351,6 @@ def _make_destination(kind: str, tmp_path: Path, request: pytest.FixtureRequest)
     return Destination(
         kind, directory, Path(mount.backing) / name, root, "direct", "direct", 4 << 20, False
     )
-
-
-# -- inspecting what a kill left ----------------------------------------------------------------
 
 
 def _old_numel(numel: int) -> int:
@@ -437,9 +445,6 @@ def phase_of(outcome: str, left: Leftovers, final: str, new_size: int, completed
     return "before-staging"
 
 
-# -- `safestage clean` --------------------------------------------------------------------------
-
-
 def run_clean(directory: Path) -> dict[str, Any]:
     completed = subprocess.run(
         [sys.executable, "-m", "safestage", "clean", "--json", str(directory)],
@@ -490,9 +495,6 @@ def clean_and_check(
         shutil.rmtree(dest.root / name)  # what the user does after copying it by hand
 
 
-# -- the test -----------------------------------------------------------------------------------
-
-
 TAIL_S = 0.3
 
 
@@ -539,6 +541,8 @@ REQUIRED_PHASES = {
     "replace": ("serializing", "copying"),
     "direct": ("serializing", "copying"),
 }
+
+
 # The real mounts get small files (4 MiB: every trial is an upload to the S3 server), whose
 # serialization into the local staging root takes ~2 ms, less than the jitter of a process's
 # start: kills there are covered by the kit's destinations (the same local code, bigger files).
@@ -552,7 +556,6 @@ REQUIRED_BY_DESTINATION = {
     "rclone-s3-replace": ("copied-before-replace",),
     "s3fs-replace": ("copying",),
 }
-EXTRA_TRIALS = 24
 
 
 def _plant_old(dest: Destination, final: str, numel: int, *, seed: int) -> Optional[dict[str, Any]]:
@@ -568,8 +571,9 @@ def _plant_old(dest: Destination, final: str, numel: int, *, seed: int) -> Optio
     return old
 
 
+@pytest.mark.mounts
 @pytest.mark.parametrize("kind", KINDS)
-def test_sigkill_at_random_moments_leaves_old_or_new(kind, tmp_path, request, fork_server, suite_settings):
+def test_a_save_killed_at_any_moment_leaves_the_old_file_or_the_new_one(kind, tmp_path, request, fork_server, suite_settings):
     dest = _make_destination(kind, tmp_path, request)
     try:
         _crash_trials(dest, fork_server, trials_for(kind, suite_settings))

@@ -45,23 +45,22 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from _support import SHM, open_fds
+from _tap import ERRNO, Tap
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from walk_child import life, new_tensors, old_tensors
 
 import safestage
-from safestage import PublishError, StagingError
-from safestage import _save
+from safestage import PublishError, StagingError, _save
 from safestage._clean import clean
 from safestage._mounts import capabilities
 from safestage._names import parse_stage_dir, parse_temp_name
 from safestage._publish import RENAME_PROBE
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _tap import ERRNO, Tap
-from walk_child import life, new_tensors, old_tensors
-
 HERE = Path(__file__).parent
-SHM = Path("/dev/shm")
+
+
 ACTIONS = ("oserror", "interrupt", "fork", "clean", "kill")
 
 
@@ -122,9 +121,6 @@ def steps_of(place: Place) -> list[Any]:
     return tap.steps
 
 
-# -- what a user checks -------------------------------------------------------------------------
-
-
 def load_equal(path: Path, expected: dict[str, torch.Tensor]) -> bool:
     loaded = load_file(str(path))
     return sorted(loaded) == sorted(expected) and all(torch.equal(loaded[k], v) for k, v in expected.items())
@@ -142,10 +138,6 @@ def state_of(path: Path) -> str:
         if sorted(loaded) == sorted(expected) and all(torch.equal(loaded[k], v) for k, v in expected.items()):
             return name
     return "wrong"
-
-
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
 
 
 def leftovers(place: Place) -> tuple[list[str], list[Path]]:
@@ -197,9 +189,6 @@ def check_error(outcome: BaseException, action: str, step: Any, label: str) -> N
     assert "\n" not in str(outcome)
 
 
-# -- in-process actions -------------------------------------------------------------------------
-
-
 class Warnings(logging.Handler):
     """safestage's WARNING and ERROR lines during one life: where a leftover may be named."""
 
@@ -234,7 +223,7 @@ def test_fault_at_every_step(places, place_name, action):
     for step in steps:
         if action == "oserror" and step.module == "safestage._paths":
             # A destination the kernel will not resolve is handed to the original writer,
-            # which raises its own error, as a plain save does (test_hardening covers it).
+            # which raises its own error, as a plain save does (test_paths covers it).
             continue
         place.reset()
         fds = open_fds()
@@ -295,9 +284,6 @@ def _reap(pid: int, timeout: float) -> int:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return -999  # hung
-
-
-# -- a concurrent clean from another process and another PID namespace ---------------------------
 
 
 class Cleaner:
@@ -382,9 +368,6 @@ def _being_claimed(steps: list[Any], index: int) -> Optional[str]:
 
 def _base(arg: str) -> str:
     return arg.rstrip("')").rsplit("/", 1)[-1]
-
-
-# -- SIGKILL at every step -----------------------------------------------------------------------
 
 
 class KillServer:
