@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 import safestage
 from safestage import _follow, _stage
 from safestage._follow import Follower, WriterFailed
+from safestage._names import KEPT_RECORD
 
 TEMP_OF_OURS = re.compile(r"^\..*\.safestage-.*\.tmp$")
 
@@ -666,7 +667,7 @@ def test_a_destination_failing_while_the_writer_writes_names_the_kept_copy(faili
     error = info.value
     assert error.errno == code, error  # the fault fired: the destination refused the publish
     assert not dest.exists() and os.listdir(dest_dir) == []  # nothing torn under the final name
-    left = sorted(p for p in stage_root.rglob("*") if p.is_file())
+    left = sorted(p for p in stage_root.rglob("*") if p.is_file() and p.name != KEPT_RECORD)
     if error.staged_path is None:
         assert left == [], (
             f"the error says {str(error)[-60:]!r} (staged_path=None), yet the staging root keeps "
@@ -675,6 +676,8 @@ def test_a_destination_failing_while_the_writer_writes_names_the_kept_copy(faili
     else:
         assert left == [Path(error.staged_path)], (error.staged_path, left)
         assert same(load_file(error.staged_path), tensors)
+        record = json.loads((Path(error.staged_path).parent / KEPT_RECORD).read_text())
+        assert record["destination"] == str(dest), record  # what the kept copy is for
         assert "No staged copy could be kept" not in str(error)
 
 

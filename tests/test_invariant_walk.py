@@ -55,7 +55,7 @@ import safestage
 from safestage import PublishError, StagingError, _save
 from safestage._clean import clean
 from safestage._mounts import capabilities
-from safestage._names import parse_stage_dir, parse_temp_name
+from safestage._names import KEPT_RECORD, parse_stage_dir, parse_temp_name
 from safestage._publish import RENAME_PROBE
 
 HERE = Path(__file__).parent
@@ -162,7 +162,11 @@ def check_after(place: Place, outcome: Optional[BaseException], label: str, *, a
     for name in temps:
         assert name in told, f"{label}: temp {name} left, and neither the error nor a WARNING names it"
     for directory in private:
-        files = [p for p in directory.rglob("*") if p.is_file()]
+        files = [p for p in directory.rglob("*") if p.is_file() and p.name != KEPT_RECORD]
+        if files and isinstance(outcome, PublishError):
+            # The copy of a failed publish says what it is for (clean shows it; a recover reads it).
+            record = json.loads((directory / KEPT_RECORD).read_text())
+            assert record["destination"] == str(place.dest), f"{label}: {record}"
         if not files and step is not None and directory.name in step.arg:
             continue  # removing this very directory failed: empty, swept once we are gone
         assert files, f"{label}: an empty staging directory {directory.name} was left"
@@ -418,6 +422,6 @@ def test_sigkill_at_every_step_then_clean(places, kill_server, place_name):
         temps, private = leftovers(place)
         assert not temps, f"{label}: clean left {temps}"
         for directory in private:  # kept: it holds the only complete copy of the new data
-            files = [p for p in directory.rglob("*") if p.is_file()]
+            files = [p for p in directory.rglob("*") if p.is_file() and p.name != KEPT_RECORD]
             assert files and all(load_equal(f, new_tensors()) for f in files), f"{label}: {directory}"
         assert state_of(place.dest) == state, f"{label}: clean changed the destination"
