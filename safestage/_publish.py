@@ -100,6 +100,9 @@ class _StepFailed(Exception):
         self.removed: Optional[bool] = None  # direct: whether a torn final file was removed
         self.advice: Optional[str] = None  # what to do, when the step knows better than errno
         self.unlinked_previous = False  # direct: the old file was unlinked before writing
+        # A read of the staged copy that failed after the target was opened (and, under direct,
+        # truncated): the destination is touched although the failing side is the staging one.
+        self.after_create = False
 
 
 _umask_lock = threading.Lock()
@@ -270,11 +273,15 @@ def _copy_into(
         if hasattr(os, "posix_fadvise") and isinstance(src, io.FileIO):
             os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         view = memoryview(buffer)
-        while count := _read_chunk(src, buffer, source):  # a followed read blocks on the writer
-            if digest is not None:
-                digest.update(view[:count])
-            write_all(out_fd, view[:count])
-            copied += count
+        try:
+            while count := _read_chunk(src, buffer, source):  # a followed read blocks on the writer
+                if digest is not None:
+                    digest.update(view[:count])
+                write_all(out_fd, view[:count])
+                copied += count
+        except _StepFailed as failed:
+            failed.after_create = True
+            raise
         if fsync:
             step = "fsync"
             os.fsync(out_fd)
@@ -614,7 +621,7 @@ def _direct_locked(
         )  # fmt: skip
     except BaseException as exc:
         with deferred():
-            if isinstance(exc, _StepFailed) and exc.step in ("create", "read", "unlink"):
+            if isinstance(exc, _StepFailed) and exc.step in ("create", "read", "unlink") and not exc.after_create:
                 restored = aside.restore()
                 exc.unlinked_previous = aside.lost_previous and not restored
                 raise
@@ -837,7 +844,8 @@ def _publish_error(
     failed: _StepFailed, dest: Path, staged: Path, strategy: str, *, existed: bool
 ) -> PublishError:
     error = failed.error
-    untouched = failed.step in ("create", "inspect", "unlink", "read")  # nothing written yet
+    # nothing written yet
+    untouched = failed.step in ("create", "inspect", "unlink", "read") and not failed.after_create
     if failed.unlinked_previous:
         state = (
             f"{dest} is gone: this process had it mapped (loaded), so it was unlinked to write "

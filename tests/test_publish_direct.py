@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import os
 import stat
 import subprocess
@@ -413,3 +415,44 @@ def test_a_direct_save_over_a_loaded_file_that_fails_keeps_the_old_file(shm_root
         del loaded
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+class _FailsAfterOneChunk(io.FileIO):
+    """The staged copy, whose second read fails with a real-looking EIO (a staging disk going bad
+    mid-copy): the fault is counted so the test can assert it fired."""
+
+    fired = 0
+
+    def readinto(self, buffer):  # type: ignore[override]
+        if self.tell() > 0:
+            type(self).fired += 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().readinto(buffer)
+
+
+@pytest.mark.regression("v0.2 review of _publish: a direct publish whose staged copy failed to read mid-copy left a torn file and said the old one was untouched")
+def test_a_direct_publish_whose_staged_copy_fails_mid_copy_leaves_no_torn_file_and_says_so(
+    tmp_path, shm_root, monkeypatch
+):
+    directory = tmp_path / "dest"
+    directory.mkdir()
+    dest = directory / "model.safetensors"
+    save_file({"old": torch.zeros(4)}, str(dest))
+    staged_root = str(shm_root)
+
+    def open_staged_badly(path, mode="r", *args, **kwargs):
+        if mode == "rb" and str(path).startswith(staged_root):
+            return _FailsAfterOneChunk(path, "rb")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(safestage._publish, "open", open_staged_badly, raising=False)
+    big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: three 4 MiB chunks
+    with pytest.raises(PublishError) as info, safestage.staged(shm_root, publish="direct"):
+        save_file(big, str(dest))
+    assert _FailsAfterOneChunk.fired == 1  # the fault fired, after the first chunk was written
+    error = info.value
+    assert error.errno == errno.EIO, error
+    text = str(error)
+    assert "untouched" not in text and "previous file" not in text, text
+    assert f"No incomplete file is left under {dest}" in text, text
+    assert os.listdir(directory) == []  # neither a torn file under the final name nor a temp
