@@ -113,17 +113,19 @@ class StagingRoot:
         except OSError as exc:
             raise _root_error(self.path, exc, "inspect") from exc
         self.device = info.st_dev
-        self._identity = (info.st_dev, info.st_ino)
+        self._identity = _identity(info)
         _sweep_dead(self.path)
 
     def unchanged(self) -> bool:
-        """Whether the checked directory is still there, as itself (one stat): a root that was
-        removed or replaced since is checked again, so its errors stay the activation's."""
+        """Whether the checked directory is still there, as itself, with the owner and mode it
+        was checked with (one stat): a root removed, replaced, chowned or loosened since is
+        checked again (the default root is tightened back to 0700), so its errors and fixes
+        stay the activation's."""
         try:
             info = os.stat(self.path)
         except OSError:
             return False
-        return (info.st_dev, info.st_ino) == self._identity and stat.S_ISDIR(info.st_mode)
+        return _identity(info) == self._identity and stat.S_ISDIR(info.st_mode)
 
     def check_room(self, nbytes: Optional[int], dest: Path) -> None:
         """Refuse a save of about ``nbytes`` that cannot fit in the root, before anything is
@@ -184,6 +186,10 @@ class StagingRoot:
                 raise
             return SaveDir(candidate, fd)
         raise StagingError(errno.EEXIST, f"safestage could not find a free staging name under {self.path}", str(self.path))
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    return (info.st_dev, info.st_ino, info.st_uid, stat.S_IMODE(info.st_mode))
 
 
 def _drop_abandoned(candidate: Path, fd: Optional[int]) -> None:
