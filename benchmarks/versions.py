@@ -42,11 +42,11 @@ print(json.dumps({"seconds": seconds, "version": safestage.__version__, "file": 
 
 def one_save(checkout: Path, dest: Path, root: Path) -> dict[str, object]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")}
-    env["PYTHONPATH"] = str(checkout)
+    env["PYTHONPATH"] = str(checkout)  # and cwd: `python -c` puts the cwd first on sys.path
     subprocess.run(["sync"], check=False)
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(dest), str(root)],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
+        env=env, cwd=checkout, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"a save with {checkout} failed:\n{done.stderr[-3000:]}")
