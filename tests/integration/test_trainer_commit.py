@@ -353,8 +353,20 @@ def _publish_then_remove(checkpoint: Path, file: str, removed: Path) -> None:
     ``removed`` is deleted, as the Trainer's rotation does (rmtree, ignore_errors)."""
     from safetensors.torch import save_file
 
-    save_file({"w": torch.zeros(250_000)}, str(checkpoint / file))  # 1 MB: 2 s to publish
+    from safestage._names import parse_temp_name
+
+    target = checkpoint / file
+    save_file({"w": torch.zeros(250_000)}, str(target))  # 1 MB: 2 s to publish
+    # Remove it once the publish is writing its temp there: from then on nothing new appears
+    # in the directory, so the rmtree cannot lose a race with the publish's create.
+    deadline = time.monotonic() + 30
+    while not any(
+        parse_temp_name(name) and name.startswith(f".{target.name}.") for name in os.listdir(target.parent)
+    ):  # its own temp, not the rename probe `auto` makes first
+        assert time.monotonic() < deadline, "the background publish never started writing"
+        time.sleep(0.01)
     shutil.rmtree(removed, ignore_errors=True)
+    assert not removed.exists(), f"the rotation's rmtree left {removed}"
 
 
 @pytest.mark.mounts
