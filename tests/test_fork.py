@@ -66,16 +66,7 @@ def test_a_child_forked_mid_publish_neither_hangs_nor_waits_for_the_parent(mount
                 code = 0 if loads_equal(directory / "child.safetensors", arange_tensors(2)) else 2
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung (waiting on the parent's publish)")
+        status = _status_of_child(pid, 30, "the forked child hung (waiting on the parent's publish)")
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     finally:
         stage.close()
@@ -392,17 +383,8 @@ def test_a_child_forked_while_a_thread_holds_a_safestage_lock_saves_without_hang
     release.set()
     holder.join()
     try:
-        deadline = time.monotonic() + 5  # a staged save of 16 KiB takes milliseconds
-        status = None
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung in its first save (a lock copied while held)")
+        # a staged save of 16 KiB takes milliseconds
+        status = _status_of_child(pid, 5, "the forked child hung in its first save (a lock copied while held)")
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     finally:
         stage.close()
@@ -436,3 +418,17 @@ def test_a_child_forked_during_a_deferred_clean_up_still_sees_ctrl_c(shm_root, t
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
         "the forked child's SIGINT handler is safestage's deferral note, not KeyboardInterrupt"
     )
+
+
+def _status_of_child(pid: int, seconds: float, why_if_hung: str) -> int:
+    """The wait status of the forked child ``pid``; a child still running after ``seconds`` is
+    killed and the test fails with ``why_if_hung``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(why_if_hung)
