@@ -22,6 +22,10 @@ Format, version 1 (a newer version is refused by this reader, never guessed at):
      "files": [{"path": "model-00001-of-00002.safetensors", "size": 1234, "digest": "0a1b2c3d"}],
      "directories": ["logs"]}
 
+A distributed commit (``staged_dir(group=...)``, ``safestage.dcp``) adds to each file entry
+``"rank"``, the global rank that wrote it: optional within version 1, so that older readers,
+which ignore unknown keys, still verify such a checkpoint.
+
 ``files`` are sorted, relative, ``/``-separated, never ``..`` or absolute. ``directories``
 lists the empty directories of the checkpoint; they are recreated but not verified (object
 stores keep no empty directories). The digest is CRC-32 (zlib), computed while each file is
@@ -72,11 +76,13 @@ class Crc32:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file of a committed checkpoint: relative path, size in bytes, CRC-32 (8 hex)."""
+    """One file of a committed checkpoint: relative path, size in bytes, CRC-32 (8 hex), and
+    in a distributed commit the (global) rank that wrote it."""
 
     path: str
     size: int
     digest: str
+    rank: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -101,10 +107,7 @@ class Manifest:
             "committed_at": self.committed_at,
             "writer": self.writer or {},
             "digest": self.digest,
-            "files": [
-                {"path": entry.path, "size": entry.size, "digest": entry.digest}
-                for entry in self.files
-            ],
+            "files": [_entry_json(entry) for entry in self.files],
             "directories": list(self.directories),
         }
 
@@ -116,6 +119,13 @@ class Manifest:
         lines = ",\n  ".join(json.dumps(item, ensure_ascii=True) for item in files)
         body = f'{head},\n "files": [\n  {lines}\n ]}}\n' if files else f'{head}, "files": []}}\n'
         return body.encode("ascii")
+
+
+def _entry_json(entry: FileEntry) -> dict[str, Any]:
+    document: dict[str, Any] = {"path": entry.path, "size": entry.size, "digest": entry.digest}
+    if entry.rank is not None:  # optional within version 1: older readers ignore it
+        document["rank"] = entry.rank
+    return document
 
 
 def new_manifest(files: list[FileEntry], directories: list[str], version: str) -> Manifest:
@@ -185,7 +195,10 @@ def parse(data: bytes) -> Manifest:
             raise ManifestError(f"file {path!r} has a bad size {size!r}")
         if not isinstance(digest, str) or len(digest) != 8 or not _is_hex(digest):
             raise ManifestError(f"file {path!r} has a bad digest {digest!r}")
-        files.append(FileEntry(path, size, digest))
+        rank = item.get("rank")
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise ManifestError(f"file {path!r} has a bad rank {rank!r}")
+        files.append(FileEntry(path, size, digest, rank))
     raw_dirs = document.get("directories", [])
     if not isinstance(raw_dirs, list):
         raise ManifestError("\"directories\" is not a list")
