@@ -44,17 +44,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Callable, NoReturn, Optional, Union
+from typing import Any, Callable, NoReturn, Optional, Union
 
 from . import _background, _config, _patch, _save
 from ._clean import remove_dead_temps
 from ._config import BACKGROUND_ON, PathArg, Publish, Settings
-from ._errors import PublishError
+from ._errors import ConfigError, PublishError
 from ._interrupts import deferred
 from ._lifecycle import start_worker
 from ._manifest import COMMIT_NAME, Crc32, FileEntry, Manifest, new_manifest, unsafe_path
 from ._names import DISPOSABLE_MARKER, KEPT_RECORD, is_writer_temp, parse_temp_name
 from ._paths import real_directory
+from ._peers import DEFAULT_TIMEOUT
 from ._publish import Digest, Published, fsync_directory, publish_file
 from ._stage import PublishRecord, SaveDir, StagingRoot, record_kept, remove_tree
 
@@ -101,9 +102,10 @@ class StagedDir:
     directory to write the checkpoint into; after a successful block, ``records`` lists the
     published files (the commit file last) and ``manifest`` is what the commit file says."""
 
-    def __init__(self, dest: PathArg, settings: Settings) -> None:
+    def __init__(self, dest: PathArg, settings: Settings, *, group: Any = None, timeout: float = 0.0) -> None:
         self.settings = settings
         self._dest_argument = dest
+        self._group, self._timeout = group, timeout  # a collective commit (_group_commit)
         self.dest: Optional[Path] = None  # the kernel's path of the destination, once entered
         self.local: Optional[Path] = None
         self.records: list[PublishRecord] = []
@@ -112,11 +114,17 @@ class StagedDir:
         self._private: Optional[SaveDir] = None
         self._state = "new"
         self._removed_commit = False  # the destination's previous commit file is gone
+        self._distributed: Optional[dict[str, int]] = None  # {"rank", "world_size"} of a collective commit
+        self._peers: Any = None  # its _peers.Peers, once entered
 
     def __enter__(self) -> Path:
         if self._state != "new":
             raise RuntimeError("this staged_dir was already used; call safestage.staged_dir() again")
         self._state = "open"
+        if self._group is not None:
+            from ._group_commit import enter
+
+            return enter(self)
         dest = destination_directory(self._dest_argument)
         staging, private = _save.save_dir(self.settings)
         local = private / _local_name(dest.name)
@@ -141,6 +149,11 @@ class StagedDir:
         assert private is not None and local is not None, "__exit__ without __enter__"
         self._state = "closed"
         _patch.remove_unstaged_dir(local)
+        if self._group is not None:
+            from ._group_commit import leave
+
+            leave(self, exc)
+            return
         if exc is not None:  # nothing is published; the block's exception propagates
             with deferred():
                 _discard(private, local)
@@ -214,7 +227,7 @@ class StagedDir:
             every = [path for path, _ in tree.files] if tree is not None else []
             left = [path for path in every if path not in published]
             record_kept(private.path, self.dest, local, left=left, landed=list(published),
-                        commit_file=True, error=exc)  # fmt: skip
+                        commit_file=True, error=exc, distributed=self._distributed)  # fmt: skip
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(private / DISPOSABLE_MARKER)
             private.release()
@@ -230,7 +243,12 @@ class StagedDir:
             _discard(private, local)
 
     def _publish_files(
-        self, tree: _Tree, local: Path, published: dict[str, Published], created: set[Path]
+        self,
+        tree: _Tree,
+        local: Path,
+        published: dict[str, Published],
+        created: set[Path],
+        wait: Optional[Callable[[_Work], Optional[BaseException]]] = None,
     ) -> None:
         """Publish every file, largest first, on ``settings.background`` threads (at least one). After a failure no
         new file starts and those in flight finish; after an interrupt those in flight stop
@@ -254,7 +272,7 @@ class StagedDir:
         except BaseException as exc:  # KeyboardInterrupt: stop the copies in flight
             interrupt = exc
             work.stop(cancel=True)
-        absorbed = work.wait()
+        absorbed = work.wait() if wait is None else wait(work)  # a collective commit's heartbeat
         interrupt = interrupt or absorbed
         for path in order:
             if path in work.published:
@@ -380,6 +398,13 @@ class _Work:
                     self._running -= 1
                     self._done.notify_all()
 
+    def finished(self, timeout: float) -> bool:
+        """Whether no file is in flight and none will start, waiting at most ``timeout``."""
+        with self._done:
+            return self._done.wait_for(
+                lambda: self._running == 0 and (self._exhausted or self._failed.is_set()), timeout
+            )
+
     def wait(self) -> Optional[BaseException]:
         """Until no file is in flight and none will start. An interrupt while waiting cancels
         the copies in flight and the wait goes on; the first interrupt is returned."""
@@ -403,6 +428,8 @@ def staged_dir(
     publish: Optional[Publish] = None,
     fsync: bool = True,
     background: Union[bool, int, None] = None,
+    group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
     **removed: NoReturn,
 ) -> StagedDir:
     """Write a whole checkpoint directory locally; commit it to ``dest`` when the block succeeds.
@@ -421,12 +448,21 @@ def staged_dir(
     publish fails, PublishError says which files landed; no commit file is written and the
     local copy is kept. Options are checked here (ConfigError), ``dest`` and the staging
     root when the block starts.
+
+    ``group``, a torch.distributed process group (``torch.distributed.group.WORLD``), makes it
+    a collective: every rank of the group enters with the same ``dest`` and writes its own
+    files under its own staging root; they land in one directory with one commit file,
+    listing every file and its rank, and every rank returns once it has landed or raises
+    (``_group_commit``). ``timeout`` is how many seconds a rank waits for one that neither
+    answers nor dies (a rank that dies is noticed at once).
     """
     _config.reject_removed(removed, "safestage.staged_dir")
     settings = _config.resolve(
         root=root, publish=publish, fsync=fsync, background=background, background_default=BACKGROUND_ON
     )
-    return StagedDir(dest, settings)
+    if group is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
+        raise ConfigError(f"safestage.staged_dir: timeout must be a number of seconds > 0, not {timeout!r}")
+    return StagedDir(dest, settings, group=group, timeout=float(timeout))
 
 
 # -- committing files already at the destination ------------------------------------------------

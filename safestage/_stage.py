@@ -608,10 +608,12 @@ def record_kept(
     landed: list[str],
     commit_file: bool,
     error: Optional[BaseException] = None,
+    distributed: Optional[dict[str, int]] = None,
 ) -> None:
     """Write what the copy kept in ``save_dir`` is for (``_names.KEPT_RECORD``, JSON): its
     destination, the local file or directory, the paths (relative to it) still to publish,
-    those that landed, and whether a commit file is still to write. `safestage clean` shows
+    those that landed, whether a commit file is still to write, and for one rank's part of a
+    distributed commit its ``rank`` and ``world_size`` (no rank can commit alone). `safestage clean` shows
     the destination; a recover reads the rest. Best effort: a full staging root must not
     hide the error that kept the copy (the error names the copy itself)."""
     import json
@@ -627,6 +629,7 @@ def record_kept(
         "commit_file": commit_file,
         "error": None if error is None else str(error),
         "time": time.time(),
+        **(distributed or {}),
     }
     # The part file is named like safetensors' torn temp: a sweep knows it is no copy.
     record, part = save_dir / KEPT_RECORD, save_dir / ".tmpkeptjs"
