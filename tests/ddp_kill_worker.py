@@ -1,0 +1,121 @@
+"""A rank of a small DDP training job for the distributed kill trials
+(tests/test_group_commit_kills.py): resume from ``latest_complete``, train, checkpoint every
+few steps through ``staged_dir(group=WORLD)``, and, if told to, SIGKILL itself at a moment of
+one checkpoint.
+
+argv: run_dir reference_dir total_steps every [record]
+  - resume: the newest complete checkpoint of run_dir, if any; its state must equal the
+    reference run's state at that step (checked here, reported as "resumed_equal");
+  - each checkpoint holds, from rank 0, the model (model.safetensors) and from every rank its
+    optimizer state and step (optim/rank<R>.pt), its RNG state (rng/rank<R>.pt) and a shard of
+    its own (shard-rank<R>.safetensors, 1 MiB, so that publishing takes a while);
+  - ``record``: rank 0 writes the reference state of every step into reference_dir.
+env SAFESTAGE_TEST_KILL: {"rank": R, "checkpoint": K, "delay": D}: rank R kills itself D
+seconds after entering its K-th checkpoint of this job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.nn.parallel import DistributedDataParallel
+
+import safestage
+from tests._two_nodes import report
+
+
+def model_for(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 32, generator=generator), torch.randn(16, 4, generator=generator)
+
+
+def shard_of(step: int, rank: int) -> dict[str, torch.Tensor]:
+    return {"shard": torch.full((256 * 1024,), float(step * 10 + rank))}
+
+
+def main() -> None:
+    run_dir, reference = Path(sys.argv[1]), Path(sys.argv[2])
+    total, every = int(sys.argv[3]), int(sys.argv[4])
+    record = len(sys.argv) > 5 and sys.argv[5] == "record"
+    kill = json.loads(os.environ.get("SAFESTAGE_TEST_KILL") or "null")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = model_for()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step, resumed_from, resumed_equal = 0, None, None
+    latest = safestage.latest_complete(run_dir)
+    if latest is not None:
+        model.load_state_dict(load_file(str(latest / "model.safetensors")))
+        own = torch.load(latest / "optim" / f"rank{rank}.pt", weights_only=False)
+        optimizer.load_state_dict(own["optimizer"])
+        step, resumed_from = own["step"], latest.name
+        expected = load_file(str(reference / f"step-{step}.safetensors"))
+        resumed_equal = all(torch.equal(value, expected[key]) for key, value in model.state_dict().items())
+        resumed_equal = resumed_equal and torch.equal(load_file(str(latest / f"shard-rank{rank}.safetensors"))["shard"],
+                                                      shard_of(step, rank)["shard"])
+    ddp = DistributedDataParallel(model)
+    checkpoints, durations, error, phase = 0, [], None, "training"
+    try:
+        while step < total:
+            inputs, targets = batch(step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(ddp(inputs), targets).backward()
+            optimizer.step()
+            step += 1
+            if record and rank == 0:
+                save_file(dict(model.state_dict()), str(reference / f"step-{step}.safetensors"))
+            if step % every:
+                continue
+            if kill is not None and kill["rank"] == rank and kill["checkpoint"] == checkpoints:
+                threading.Thread(target=_die_after, args=(kill["delay"],), daemon=True).start()
+            started, phase = time.monotonic(), "checkpoint"
+            with safestage.staged_dir(run_dir / f"checkpoint-{step}", group=dist.group.WORLD) as local:
+                if rank == 0:
+                    save_file(dict(model.state_dict()), str(local / "model.safetensors"))
+                save_file(shard_of(step, rank), str(local / f"shard-rank{rank}.safetensors"))
+                (local / "optim").mkdir()
+                torch.save({"optimizer": optimizer.state_dict(), "step": step}, local / "optim" / f"rank{rank}.pt")
+                (local / "rng").mkdir()
+                torch.save(torch.get_rng_state(), local / "rng" / f"rank{rank}.pt")
+            durations.append(time.monotonic() - started)
+            checkpoints, phase = checkpoints + 1, "training"
+    except BaseException as exc:  # a rank was killed: reported, then exit non-zero
+        error = {"type": type(exc).__name__, "message": str(exc), "phase": phase}
+    final = {key: value.tolist() for key, value in model.state_dict().items()} if error is None else None
+    report(resumed_from=resumed_from, resumed_equal=resumed_equal, step=step, durations=durations,
+           error=error, final_equal=_final_equal(model, reference, step) if error is None else None,
+           has_final=final is not None)  # fmt: skip
+    if error is not None:
+        sys.exit(1)
+    dist.destroy_process_group()
+
+
+def _final_equal(model: torch.nn.Module, reference: Path, step: int) -> bool:
+    path = reference / f"step-{step}.safetensors"
+    if not path.exists():
+        return True  # the reference job itself
+    expected = load_file(str(path))
+    return all(torch.equal(value, expected[key]) for key, value in model.state_dict().items())
+
+
+def _die_after(delay: float) -> None:
+    time.sleep(delay)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Kill trials of distributed commits: a DDP job of four ranks on two torchrun "nodes"
+checkpoints every few steps through staged_dir(group=WORLD) onto the kit's hdfs and
+mountpoint mounts and the real s3fs and rclone-S3 mounts; a random rank SIGKILLs itself at a
+random moment of a random checkpoint. After every job:
+
+- no rank hangs (the job ends well within its timeout) and every rank that was not killed
+  (torchrun's agent stops the killed rank's node-mate itself, with SIGTERM) reports an error;
+- ``latest_complete`` never names a checkpoint whose files do not all match its commit file
+  or whose state is not the reference run's state at that step (0 wrong answers);
+- the next job resumes from ``latest_complete`` with the reference state at that step and,
+  once it reaches the last step, ends with the reference run's final parameters.
+
+SAFESTAGE_DIST_KILL_TRIALS sets the number of jobs (each is one kill; CI runs a few, 100 and
+more were run for the record: see CHANGELOG.md); SAFESTAGE_DIST_KILL_SEED the seed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import safestage
+from tests._two_nodes import launch
+
+WORKER = Path(__file__).with_name("ddp_kill_worker.py")
+TRIALS = int(os.environ.get("SAFESTAGE_DIST_KILL_TRIALS", "8"))
+SEED = int(os.environ.get("SAFESTAGE_DIST_KILL_SEED", "20261202"))
+RANKS, TOTAL, EVERY = 4, 12, 2
+MODES = ("hdfs", "mountpoint", "s3fs", "rclone-s3")
+JOB_TIMEOUT = 240.0  # a job takes about 20 s here; a hang shows as this timeout
+
+
+def _state_matches(checkpoint: Path, reference: Path) -> bool:
+    step = int(checkpoint.name.split("-")[1])
+    expected = load_file(str(reference / f"step-{step}.safetensors"))
+    model = load_file(str(checkpoint / "model.safetensors"))
+    if model.keys() != expected.keys() or not all(torch.equal(model[key], expected[key]) for key in model):
+        return False
+    for rank in range(RANKS):
+        own = torch.load(checkpoint / "optim" / f"rank{rank}.pt", weights_only=False)
+        shard = load_file(str(checkpoint / f"shard-rank{rank}.safetensors"))["shard"]
+        if own["step"] != step or not torch.all(shard == step * 10 + rank):
+            return False
+    return True
+
+
+@pytest.mark.slow
+def test_a_rank_killed_at_any_moment_of_a_checkpoint_never_leaves_a_wrong_latest_and_no_rank_hangs(
+    tmp_path: Path, kit_mounts: dict[str, Any], real_mounts: dict[str, Any]
+) -> None:
+    roots = (tmp_path / "node0", tmp_path / "node1")
+    for root in roots:
+        root.mkdir()
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (tmp_path / "reference-run").mkdir()
+    recorded = launch(WORKER, [str(tmp_path / "reference-run"), str(reference), str(TOTAL), str(EVERY), "record"],
+                      roots=roots, result_dir=tmp_path / "results-reference", timeout=JOB_TIMEOUT)  # fmt: skip
+    assert recorded.returncodes == [0, 0] and len(recorded.reports) == RANKS, recorded.output()
+    mounts = {mode: (kit_mounts if mode in ("hdfs", "mountpoint") else real_mounts)[mode] for mode in MODES}
+    rng = random.Random(SEED)
+    chains: dict[str, int] = {}
+    fired = wrong = resumed = finished = 0
+    for trial in range(TRIALS):
+        mode = MODES[trial % len(MODES)]
+        run_dir = Path(mounts[mode].path) / f"run-{tmp_path.name}-{chains.setdefault(mode, 0)}"
+        run_dir.mkdir(exist_ok=True)
+        latest = safestage.latest_complete(run_dir)
+        done = int(latest.name.split("-")[1]) if latest is not None else 0
+        remaining = (TOTAL - done) // EVERY
+        kill = {"rank": rng.randrange(RANKS), "checkpoint": rng.randrange(remaining), "delay": rng.uniform(0.0, 0.6)}
+        job = launch(WORKER, [str(run_dir), str(reference), str(TOTAL), str(EVERY)], roots=roots,
+                     result_dir=tmp_path / f"results-{trial}", timeout=JOB_TIMEOUT,
+                     env={"SAFESTAGE_TEST_KILL": f'{{"rank": {kill["rank"]}, "checkpoint": {kill["checkpoint"]}, '
+                                                 f'"delay": {kill["delay"]}}}'})  # fmt: skip
+        where = f"trial {trial} on {mode}, kill {kill}, {job.seconds:.1f} s"
+        assert not job.timed_out, f"{where}: a rank hung\n{job.output()}"
+        if kill["rank"] not in job.reports:
+            # Every rank that reported was not killed: it must have raised, not returned; one
+            # that was in a checkpoint, a PublishError (the others saw DDP's own allreduce fail).
+            phases = set()
+            for rank, seen in job.reports.items():
+                assert seen["error"] is not None, f"{where}: rank {rank} returned after rank {kill['rank']} died"
+                phases.add(seen["error"]["phase"])
+                if seen["error"]["phase"] == "checkpoint":
+                    assert seen["error"]["type"] == "PublishError", f"{where}: rank {rank}: {seen['error']}"
+                    assert "rank" in seen["error"]["message"], seen["error"]
+            fired += "checkpoint" in phases
+        for seen in job.reports.values():
+            assert seen["resumed_equal"] in (None, True), f"{where}: resumed a different state: {seen}"
+            resumed += seen["resumed_equal"] is True
+            if seen["error"] is None and seen["step"] == TOTAL:
+                assert seen["final_equal"], f"{where}: the resumed run ended with other parameters: {seen}"
+                finished += 1
+        latest = safestage.latest_complete(run_dir)
+        if latest is not None:
+            if not (safestage.verify(latest, deep=True).complete and _state_matches(latest, reference)):
+                wrong += 1
+        for checkpoint in sorted(run_dir.glob("checkpoint-*")):  # not only the newest
+            if safestage.verify(checkpoint, deep=True).complete and not _state_matches(checkpoint, reference):
+                wrong += 1
+        if latest is not None and latest.name == f"checkpoint-{TOTAL}":
+            chains[mode] += 1  # this run is over: the next trial on this mount starts a new one
+    print(f"{TRIALS} jobs, {fired} kills during a checkpoint, {wrong} wrong answers, {resumed} ranks resumed equal, "
+          f"{finished} ranks finished equal to the reference")  # fmt: skip
+    assert wrong == 0
+    if TRIALS > len(MODES):  # from the fifth job on, each resumes a run a killed job left
+        assert resumed > 0, "no job resumed from latest_complete: the trials did not test resuming"
+    assert fired >= TRIALS // 2, f"only {fired} of {TRIALS} kills came during a checkpoint: the trials did not test them"
