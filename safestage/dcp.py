@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -60,7 +60,14 @@ from torch.futures import Future
 
 from . import _config, _save
 from ._clean import remove_dead_temps
-from ._commit import _discard, _local_name, _mark_disposable, destination_directory, invalidate, publish_manifest
+from ._commit import (
+    _discard,
+    _local_name,
+    _mark_disposable,
+    destination_directory,
+    invalidate,
+    publish_manifest,
+)
 from ._config import PathArg, Publish, Settings
 from ._errors import PublishError
 from ._manifest import COMMIT_NAME, Crc32, FileEntry, new_manifest, unsafe_path
@@ -98,16 +105,15 @@ class _Landed:
 
 @dataclass
 class _Save:
-    """One save's local state on this rank."""
+    """One save on this rank: where it goes, and its local copy while it has one (the data
+    files until they landed; on the coordinator, ``.metadata`` in ``finish``)."""
 
     dest: Path
     rank: int
-    coordinator: bool
-    staging: StagingRoot
-    private: SaveDir
-    local: Path
     inner: StorageWriter
-    landed: list[str] = dataclasses.field(default_factory=list)
+    staging: StagingRoot
+    private: Optional[SaveDir]
+    local: Path
 
 
 class _LocalFileSystemWriter(FileSystemWriter):
@@ -199,16 +205,13 @@ class StagedWriter(StorageWriter):
         self._abandon()  # an earlier save with this writer that DCP stopped half-way
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         dest = destination_directory(self.dest)
-        staging, private = _save.save_dir(self.settings)
-        local = private / _local_name(dest.name)
+        staging, private, local = _local_copy(self.settings, dest)
         try:
-            _mark_disposable(private)  # until its files are written: nothing worth keeping
-            os.mkdir(local)
             inner = self._inner(local)
         except BaseException:
             _discard(private, local)
             raise
-        self._save = _Save(dest, rank, is_coordinator, staging, private, local, inner)
+        self._save = _Save(dest, rank, inner, staging, private, local)
         if "kwargs" in inspect.signature(inner.set_up_storage_writer).parameters:
             inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
         else:  # pragma: no cover - torch < 2.6
@@ -234,12 +237,7 @@ class StagedWriter(StorageWriter):
         # Only files a WriteResult points into: an empty bucket's file holds nothing to read.
         paths = sorted({result.storage_data.relative_path for result in results})
         entries = self._publish(save, paths)
-        if save.coordinator:  # its directory stays for .metadata; its data files landed
-            for path in paths:
-                with contextlib.suppress(OSError):
-                    os.unlink(save.local / path)
-        else:
-            self._close(save)
+        self._close(save)  # landed: nothing of this rank's is left to keep
         log.debug(
             "%s: rank %d published %d files, %d bytes in %.3fs", save.dest, save.rank,
             len(paths), sum(entry.size for entry in entries.values()), time.perf_counter() - started,
@@ -270,7 +268,10 @@ class StagedWriter(StorageWriter):
                     )
                 plain.append(dataclasses.replace(result, storage_data=landed.info))
             stripped.append(plain)
-        save.inner.finish(metadata, stripped)  # DCP's own .metadata, locally
+        # DCP's own .metadata, written locally by the inner writer, in a fresh local directory
+        save.staging, save.private, save.local = _local_copy(self.settings, save.dest)
+        save.inner.reset(save.local)  # its storage_meta stays the destination's (_LocalFileSystemWriter)
+        save.inner.finish(metadata, stripped)
         written = sorted(entry.name for entry in os.scandir(save.local) if entry.is_file(follow_symlinks=False))
         entries.update(self._publish(save, written, landed=sorted(entries)))
         manifest = new_manifest(list(entries.values()), [], _version())
@@ -282,6 +283,7 @@ class StagedWriter(StorageWriter):
                 what=f"all {len(entries)} files landed, but the commit file {COMMIT_NAME} could not be written",
             ) from exc  # fmt: skip
         self._close(save)
+        self._save = None
         log.debug("%s: committed %d files of %d ranks", save.dest, len(entries), len(results))
 
     # -- the per-writer variations (StagedHuggingFaceWriter) -------------------------------
@@ -313,6 +315,7 @@ class StagedWriter(StorageWriter):
         the other; on a failure keep the local copy and raise a PublishError naming the rank."""
         entries: dict[str, FileEntry] = {}
         before = list(landed or [])
+        assert save.private is not None, "publish without a local copy"
         for path in paths:
             problem = unsafe_path(path)
             if problem is not None or "/" in path:
@@ -351,10 +354,12 @@ class StagedWriter(StorageWriter):
         self, save: _Save, exc: OSError, path: str, *, left: list[str], landed: list[str], what: str
     ) -> PublishError:
         """Keep this rank's local copy, with a record of what it is for, and say so."""
+        assert save.private is not None
         record_kept(save.private.path, save.dest, save.local, left=left, landed=landed, commit_file=True, error=exc)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(save.private / DISPOSABLE_MARKER)
         save.private.release()
+        save.private = None  # kept: no longer this writer's to remove
         self._save = None
         code = exc.errno or errno.EIO
         return PublishError(
@@ -371,17 +376,20 @@ class StagedWriter(StorageWriter):
         )
 
     def _close(self, save: _Save) -> None:
-        with contextlib.suppress(OSError):
-            _mark_disposable(save.private)
-        _discard(save.private, save.local)
-        self._save = None
+        """Remove the local copy (its files landed)."""
+        private, save.private = save.private, None
+        if private is not None:
+            with contextlib.suppress(OSError):
+                _mark_disposable(private)
+            _discard(private, save.local)
 
     def _abandon(self) -> None:
-        """Remove what a save DCP stopped (another rank failed, the planner raised) left on this
-        rank: nothing of it is kept unless its own publish failed (then it is kept already)."""
+        """Remove what a save DCP stopped before this rank published (another rank's planning
+        failed) left here: nothing of it is worth keeping (a copy whose own publish failed
+        was kept already, and is no longer this writer's)."""
         save, self._save = self._save, None
         if save is not None:
-            _discard(save.private, save.local)
+            self._close(save)
 
 
 class StagedHuggingFaceWriter(StagedWriter):
@@ -415,7 +423,7 @@ class StagedHuggingFaceWriter(StagedWriter):
         }
 
     def _inner(self, local: Path) -> StorageWriter:
-        return HuggingFaceStorageWriter(str(local), **self._options)  # type: ignore[no-any-return]
+        return HuggingFaceStorageWriter(str(local), **self._options)
 
     def _vouching_files(self) -> tuple[str, ...]:
         return (HF_INDEX_NAME, METADATA_NAME)
@@ -431,6 +439,20 @@ class StagedHuggingFaceWriter(StagedWriter):
                 "written.",
                 str(self.dest),
             )
+
+
+def _local_copy(settings: Settings, dest: Path) -> tuple[StagingRoot, SaveDir, Path]:
+    """A fresh local directory, named like ``dest``, in a private save directory under this
+    rank's staging root; disposable (swept if the process dies) until its files are published."""
+    staging, private = _save.save_dir(settings)
+    local = private / _local_name(dest.name)
+    try:
+        _mark_disposable(private)
+        os.mkdir(local)
+    except BaseException:
+        _discard(private, local)
+        raise
+    return staging, private, local
 
 
 def _prepare_destination(dest: Path, vouching: tuple[str, ...], *, fsync: bool) -> None:
