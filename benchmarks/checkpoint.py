@@ -10,7 +10,7 @@ Writes benchmarks/results/<date>-checkpoint.{json,md}. What is measured:
    the copy loop uses, one thread and two threads at once (they release the GIL).
 2. Publishing a checkpoint (8 x 128 MiB shards + 6 small files; s3fs: 8 x 8 MiB, moto
    serves ~47 MB/s) onto kit ``slow`` (200 MB/s), kit ``hdfs`` and the real ``s3fs`` mount,
-   with the same number of parallel streams (2, staged_dir's default background) for:
+   with the same number of parallel streams (2, as a staged_dir commit) for:
    - ``commit``: the time staged_dir's block end takes (publish every file + commit file);
    - ``commit-nodigest``: the same with a no-op digest (the cost of CRC-32 is the difference);
    - ``copy-loop``: a plain read/write loop in 4 MiB chunks + fsync per file, 2 threads;
@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MiB = 1 << 20
 CHUNK = 4 * MiB
-STREAMS = 2  # staged_dir's default background (files publishing at once)
+STREAMS = 2  # files a staged_dir commit publishes at once
 SMALL = {
     "config.json": 2_000,
     "generation_config.json": 300,
@@ -162,7 +162,7 @@ def run_commit(source: Path, dest: Path, root: Path, *, digest: bool, publish: s
     with contextlib.ExitStack() as stack:
         if not digest:
             stack.enter_context(digest_off())
-        with safestage.staged_dir(dest, root, background=STREAMS, publish=publish) as local:
+        with safestage.staged_dir(dest, root, publish=publish) as local:
             for path in source.iterdir():
                 os.link(path, local / path.name)
             started = time.perf_counter()
@@ -304,7 +304,7 @@ def bench_rename(source: Path, base: Path, repeats: int) -> dict[str, Any]:
             with contextlib.ExitStack() as stack:
                 if contender == "commit-nodigest":
                     stack.enter_context(digest_off())
-                with safestage.staged_dir(dest, root, background=STREAMS, fsync=False) as local:
+                with safestage.staged_dir(dest, root, fsync=False) as local:
                     for path in source.iterdir():
                         shutil.copyfile(path, local / path.name)
                     started = time.perf_counter()

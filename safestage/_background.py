@@ -44,8 +44,8 @@ log = logging.getLogger("safestage")
 class _Publish:
     """One background publish; ``finished`` and ``error`` are set under the publisher's lock."""
 
-    def __init__(self, dest: Path, kept: Optional[Path], owner: object) -> None:
-        self.dest, self.kept, self.owner = dest, kept, owner
+    def __init__(self, dest: Path, kept: Optional[Path], owner: object, kind: str) -> None:
+        self.dest, self.kept, self.owner, self.kind = dest, kept, owner, kind
         self.finished = False
         self.error: Optional[BaseException] = None
 
@@ -70,16 +70,18 @@ class BackgroundPublisher:
         owner: object,
         kept: Optional[Path] = None,
         not_started: Callable[[BaseException], None],
+        kind: str = "file",
     ) -> None:
-        """Run ``job`` on a worker once fewer than ``max_pending`` files are publishing and
-        no earlier publish of ``dest`` is pending; the caller waits until then. Interrupted
-        during that wait, ``not_started(exc)`` runs (the caller keeps its copy) and ``exc``
-        is raised; from then on the publish is the publisher's, its error raised by wait()."""
-        publish = _Publish(dest, kept, owner)
+        """Run ``job`` on a worker once fewer than ``max_pending`` publishes of ``kind`` (a
+        "file", or a directory "commit") are running and no earlier publish of ``dest`` is
+        pending; the caller waits until then. Interrupted during that wait,
+        ``not_started(exc)`` runs (the caller keeps its copy) and ``exc`` is raised; from then
+        on the publish is the publisher's, its error raised by wait()."""
+        publish = _Publish(dest, kept, owner, kind)
         try:
             with self._condition:
                 self._condition.wait_for(
-                    lambda: len(self._running()) < max_pending and not self._running(dest=dest)
+                    lambda: len(self._running(kind=kind)) < max_pending and not self._running(dest=dest)
                 )
                 self._publishes = [p for p in self._publishes if not p.finished or p.error is not None]
                 self._publishes.append(publish)
@@ -104,17 +106,24 @@ class BackgroundPublisher:
             job()
         except BaseException as exc:
             error = exc
-            _loud.error(f"background publish of {publish.dest} failed: {exc}")
+            _loud.error(f"background {'commit' if publish.kind == 'commit' else 'publish'} of {publish.dest} failed: {exc}")
         finally:
             with self._condition:
                 publish.error, publish.finished = error, True
                 self._condition.notify_all()
 
-    def _running(self, dest: Optional[Path] = None, owner: object = None) -> list[_Publish]:
+    def _running(self, dest: Optional[Path] = None, owner: object = None, kind: Optional[str] = None) -> list[_Publish]:
         return [
             p for p in self._publishes
             if not p.finished and (dest is None or p.dest == dest) and (owner is None or p.owner is owner)
+            and (kind is None or p.kind == kind)
         ]  # fmt: skip
+
+    def make_room(self, kind: str, limit: int) -> None:
+        """Wait until fewer than ``limit`` publishes of ``kind`` are running (a background
+        commit waits so before its block starts: never more local copies than that)."""
+        with self._condition:
+            self._condition.wait_for(lambda: len(self._running(kind=kind)) < limit)
 
     def settle(self, dest: Optional[Path] = None, *, owner: object = None) -> None:
         """Wait until no publish of ``dest`` (of ``owner``; None: any) is pending, raising
@@ -240,6 +249,12 @@ def settle_under(directory: Path) -> None:
     current = _current()
     if current is not None:
         current.settle_under(directory)
+
+
+def make_room(kind: str, limit: int) -> None:
+    current = _current()
+    if current is not None:
+        current.make_room(kind, limit)
 
 
 def failures() -> list[BaseException]:

@@ -102,7 +102,9 @@ class StagedDir:
     directory to write the checkpoint into; after a successful block, ``records`` lists the
     published files (the commit file last) and ``manifest`` is what the commit file says."""
 
-    def __init__(self, dest: PathArg, settings: Settings, *, group: Any = None, timeout: float = 0.0) -> None:
+    def __init__(
+        self, dest: PathArg, settings: Settings, *, group: Any = None, timeout: float = 0.0, in_flight: int = 0
+    ) -> None:
         self.settings = settings
         self._dest_argument = dest
         self._group, self._timeout = group, timeout  # a collective commit (_group_commit)
@@ -116,11 +118,19 @@ class StagedDir:
         self._removed_commit = False  # the destination's previous commit file is gone
         self._distributed: Optional[dict[str, int]] = None  # {"rank", "world_size"} of a collective commit
         self._peers: Any = None  # its _peers.Peers, once entered
+        self._in_flight = in_flight  # a background commit: at most this many at once (0: not one)
+        self._error: Optional[BaseException] = None  # why a background commit failed
 
     def __enter__(self) -> Path:
         if self._state != "new":
             raise RuntimeError("this staged_dir was already used; call safestage.staged_dir() again")
         self._state = "open"
+        _raise_failed_commits()
+        _background.adopt(self)  # its commit may run in the background in this process only
+        if self._in_flight or self._group is not None:
+            # Never more local copies than commits allowed in flight; a collective commit
+            # waits for every earlier one, whose exchanges share its gloo group.
+            _background.make_room("commit", 1 if self._group is not None else self._in_flight)
         if self._group is not None:
             from ._group_commit import enter
 
@@ -166,13 +176,27 @@ class StagedDir:
     # -- the commit ---------------------------------------------------------------------------
 
     def _commit(self, private: SaveDir, local: Path) -> None:
-        dest, staging = self.dest, self._staging
-        assert dest is not None and staging is not None
-        started = time.perf_counter()
-        published: dict[str, Published] = {}
-        manifest: Optional[Manifest] = None
+        assert self.dest is not None
+        _background.settle(self.dest)  # an earlier background commit of it lands first
+        tree = self._check(private, local)
+        if self._in_flight and _background.may_defer(self):
+            self._hand_off(private, local, tree)
+            with _started_lock:
+                _started.append(self)
+            _background.publisher().submit(
+                functools.partial(self._land_or_record, private, local, tree), self.dest,
+                max_pending=self._in_flight, owner=self, kept=local, kind="commit",
+                not_started=lambda exc: self._keep(private, local, tree, {}, exc),
+            )  # fmt: skip
+            return
+        self._land(private, local, tree)
+
+    def _check(self, private: SaveDir, local: Path) -> _Tree:
+        """Everything that refuses the commit, before the destination is touched."""
+        dest = self.dest
+        assert dest is not None
         tree: Optional[_Tree] = None
-        try:  # everything that refuses the commit, before the destination is touched
+        try:
             tree = _scan(local, dest)
             _check_destination(dest, tree)
         except PublishError:
@@ -180,13 +204,40 @@ class StagedDir:
                 _discard(private, local)
             raise
         except BaseException as exc:  # Ctrl-C while checking: nothing published, the copy kept
-            self._keep(private, local, tree, published, exc)
+            self._keep(private, local, tree, {}, exc)
             raise
+        return tree
+
+    def _hand_off(self, private: SaveDir, local: Path, tree: _Tree) -> None:
+        """From here on the local copy may be the only complete one: recorded, never swept."""
+        assert self.dest is not None
         try:
             files = [path for path, _ in tree.files]
-            record_kept(private.path, dest, local, left=files, landed=[], commit_file=True)
-            with contextlib.suppress(FileNotFoundError):  # from here on it may be the only copy
+            record_kept(private.path, self.dest, local, left=files, landed=[], commit_file=True,
+                        distributed=self._distributed)  # fmt: skip
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(private / DISPOSABLE_MARKER)
+        except BaseException as exc:
+            self._keep(private, local, tree, {}, exc)
+            raise
+
+    def _land_or_record(self, private: SaveDir, local: Path, tree: _Tree) -> None:
+        """A background commit, on the publisher's thread: its error is the handle's."""
+        try:
+            self._land(private, local, tree, handed=True)
+        except BaseException as exc:
+            self._error = exc
+            raise
+
+    def _land(self, private: SaveDir, local: Path, tree: _Tree, *, handed: bool = False) -> None:
+        dest, staging = self.dest, self._staging
+        assert dest is not None and staging is not None
+        started = time.perf_counter()
+        published: dict[str, Published] = {}
+        manifest: Optional[Manifest] = None
+        try:
+            if not handed:
+                self._hand_off(private, local, tree)
             # An older background save of a file in it lands now, never after the commit file.
             _background.settle_under(dest)
             created, self._removed_commit = _prepare_destination(dest, tree, local, self.settings.fsync)
@@ -211,6 +262,26 @@ class StagedDir:
             "%s: committed %d files, %d bytes in %.3fs",
             dest, len(manifest.files), manifest.total_bytes, time.perf_counter() - started,
         )  # fmt: skip
+
+    # -- the handle of a commit ----------------------------------------------------------------
+
+    def wait(self) -> Manifest:
+        """The manifest of the landed commit, once it has landed (a background commit: wait
+        for it); raises its PublishError if it failed (every time wait() is called)."""
+        if self._state != "closed":
+            raise RuntimeError("StagedDir.wait() is for after the block: the commit starts when it returns")
+        with contextlib.suppress(BaseException):
+            _background.wait(self)  # observed here: exit does not report it again
+        _forget_started(self)
+        if self._error is not None:
+            raise self._error
+        if self.manifest is None:
+            raise RuntimeError(f"{self.dest}: the block raised, so nothing was committed")
+        return self.manifest
+
+    def done(self) -> bool:
+        """Whether the commit has finished (landed or failed); False before the block returned."""
+        return self._state == "closed" and _background.running(self) == 0
 
     def _keep(
         self,
@@ -335,6 +406,39 @@ class StagedDir:
         )
 
 
+# Background commits started in this process whose failure nobody has seen yet.
+_started: list[StagedDir] = []
+_started_lock = threading.Lock()
+
+
+def _raise_failed_commits() -> None:
+    """Raise, at the next staged_dir, the error of a background commit that failed since
+    (once; wait() on its handle raises it again)."""
+    with _started_lock:
+        finished = [stage for stage in _started if stage.done()]
+        for stage in finished:
+            _started.remove(stage)
+    for stage in finished:
+        with contextlib.suppress(BaseException):
+            _background.wait(stage, finished_only=True)  # observed: exit does not report it
+        if stage._error is not None:
+            if hasattr(stage._error, "add_note"):
+                stage._error.add_note(f"safestage: raised here, at the next staged_dir: the background commit of {stage.dest} failed")
+            raise stage._error
+
+
+def _forget_started(stage: StagedDir) -> None:
+    with _started_lock:
+        if stage in _started:
+            _started.remove(stage)
+
+
+def after_fork_in_child() -> None:  # registered by _lifecycle
+    global _started_lock
+    _started.clear()  # the parent's commits: neither run nor fail here
+    _started_lock = threading.Lock()
+
+
 def _write_new_file(path: Path, payload: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -427,7 +531,7 @@ def staged_dir(
     *,
     publish: Optional[Publish] = None,
     fsync: bool = True,
-    background: Union[bool, int, None] = None,
+    background: Union[bool, int] = False,
     group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
     **removed: NoReturn,
@@ -441,9 +545,14 @@ def staged_dir(
     ``local`` is a fresh directory under the staging root ``root`` (default SAFESTAGE_DIR,
     else $TMPDIR/safestage-<uid>); write anything into it, subdirectories too. When the
     block returns, ``dest``'s commit file is removed, every file is published (``publish``,
-    ``fsync`` as for every save; ``background`` files at once on worker threads: True or
-    by default 2, N at most N, False one at a time), then the commit file
-    ``_SAFESTAGE_COMMIT.json`` is written last. ``dest`` is created if missing (its parent
+    ``fsync`` as for every save; two files at once), then the commit file
+    ``_SAFESTAGE_COMMIT.json`` is written last.
+
+    ``background=True``: the commit goes on on safestage's threads once the block has
+    returned, and the object ``staged_dir()`` returned is its handle (``wait()``: the
+    manifest, or the PublishError; ``done()``). At most one commit is in flight (``N``: at
+    most N): the next ``staged_dir`` waits before its block. A failed background commit is
+    raised by ``wait()``, by the next ``staged_dir`` and, if nobody saw it, at exit (status 1). ``dest`` is created if missing (its parent
     must exist). If the block raises, nothing is published and ``local`` is removed. If a
     publish fails, PublishError says which files landed; no commit file is written and the
     local copy is kept. Options are checked here (ConfigError), ``dest`` and the staging
@@ -457,12 +566,20 @@ def staged_dir(
     answers nor dies (a rank that dies is noticed at once).
     """
     _config.reject_removed(removed, "safestage.staged_dir")
-    settings = _config.resolve(
-        root=root, publish=publish, fsync=fsync, background=background, background_default=BACKGROUND_ON
-    )
+    # Two files publishing at once (benchmarks/README.md); not from SAFESTAGE_BACKGROUND, which
+    # is for the saves staging intercepts, as is the choice of a background commit.
+    settings = _config.resolve(root=root, publish=publish, fsync=fsync, background=BACKGROUND_ON)
+    in_flight = _config.parse_background(background, "the background argument")
+    if in_flight and background is True:
+        in_flight = 1
+    if group is not None and in_flight > 1:
+        raise ConfigError(
+            f"safestage.staged_dir(group=..., background={background!r}): a collective commit runs "
+            "one at a time (its exchanges share one gloo group): use background=True"
+        )
     if group is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
         raise ConfigError(f"safestage.staged_dir: timeout must be a number of seconds > 0, not {timeout!r}")
-    return StagedDir(dest, settings, group=group, timeout=float(timeout))
+    return StagedDir(dest, settings, group=group, timeout=float(timeout), in_flight=in_flight)
 
 
 # -- committing files already at the destination ------------------------------------------------

@@ -28,7 +28,6 @@ as a failed single-process commit does (its record says which rank of how many i
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -50,11 +49,9 @@ from ._commit import (
 from ._errors import PublishError
 from ._interrupts import deferred
 from ._manifest import FileEntry, Manifest, new_manifest, parse
-from ._names import DISPOSABLE_MARKER
 from ._patch import add_unstaged_dir, remove_unstaged_dir
 from ._peers import PeerLost, Peers
 from ._publish import Published
-from ._stage import record_kept
 
 if TYPE_CHECKING:
     from ._commit import StagedDir
@@ -178,6 +175,27 @@ def leave(stage: StagedDir, exc: Optional[BaseException]) -> None:
             step="collective",
             landed=(),
         )
+    stage._hand_off(private, local, tree)
+    if stage._in_flight and _background.may_defer(stage):
+        # Steps 3 to 6 on a publisher thread; their exchanges run on safestage's own gloo
+        # group, never the job's, so training's collectives go on meanwhile.
+        from . import _commit
+
+        with _commit._started_lock:
+            _commit._started.append(stage)
+
+        def job() -> None:
+            try:
+                _commit_files(stage, peers, private, local, dest, tree, union, owners)
+            except BaseException as exc:
+                stage._error = exc
+                raise
+
+        _background.publisher().submit(
+            job, dest, max_pending=1, owner=stage, kept=local, kind="commit",
+            not_started=lambda exc: _keep(stage, tree, {}, exc),
+        )  # fmt: skip
+        return
     _commit_files(stage, peers, private, local, dest, tree, union, owners)
 
 
@@ -194,10 +212,6 @@ def _commit_files(
     published: dict[str, Published] = {}
     files = [path for path, _ in tree.files]
     try:
-        record_kept(private.path, dest, local, left=files, landed=[], commit_file=True,
-                    distributed=stage._distributed)  # fmt: skip
-        with contextlib.suppress(FileNotFoundError):  # from here on it may be the only copy
-            os.unlink(private / DISPOSABLE_MARKER)
         _background.settle_under(dest)
         # 3. the coordinator prepares the destination, once, before anyone publishes.
         word: Any = None

@@ -26,6 +26,15 @@ CALIBRATION_RUNS = 3
 EXTRA_TRIALS = 24
 
 
+def files_at_once(stage: safestage.StagedDir, count: int) -> safestage.StagedDir:
+    """``stage`` with ``count`` files publishing at once (two in the library): a test seam for
+    the order of a failure (one at a time) or the suite's time (more)."""
+    import dataclasses
+
+    stage.settings = dataclasses.replace(stage.settings, background=count)
+    return stage
+
+
 def seeded_tensors(seed: int, numel: int = 4096) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return {

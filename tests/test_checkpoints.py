@@ -34,6 +34,7 @@ from _support import (
     PY,
     _env,
     assert_committed,
+    files_at_once,
     seeded_tensors,
     write_checkpoint,
 )
@@ -73,7 +74,7 @@ def test_round_trip_on_disk_same_filesystem_renames(tmp_path: Path, stage_root: 
 
 def test_round_trip_across_devices_replaces(tmp_path: Path, shm_root: Path) -> None:
     dest = tmp_path / "checkpoint-1"
-    with safestage.staged_dir(str(dest) + "/", shm_root, background=3) as local:  # str, trailing /
+    with safestage.staged_dir(str(dest) + "/", shm_root) as local:  # str, trailing /
         expected = write_checkpoint(local, 1)
     assert_committed(dest, expected)
     assert leftovers(shm_root) == []
@@ -97,11 +98,11 @@ def test_round_trip_on_the_kit(kit_dir: Path, strategy: str, stage_root: Path) -
 # rclone holds an open for reading of a file being written for 5 s (then ENOENT), so every
 # replace onto rclone stalls 5 s in _publish._TempLock.take (found by the real-matrix work,
 # pinned there by a strict xfail). Until that is fixed, the rclone commits here publish all
-# their files at once (background=8) to keep the suite's time down.
+# their files at once (files_at_once 8) to keep the suite's time down.
 @pytest.mark.parametrize("real_dir", ["rclone-local", "rclone-s3", "s3fs"], indirect=True)
 def test_round_trip_on_real_mounts(real_dir: Path, stage_root: Path) -> None:
     dest = real_dir / "checkpoint-5"
-    with safestage.staged_dir(dest, stage_root, background=8) as local:
+    with files_at_once(safestage.staged_dir(dest, stage_root), 8) as local:
         expected = write_checkpoint(local, 5, numel=1024, newline=False)
     document = assert_committed(dest, expected)
     assert document["directories"] == ["empty"]  # recreated; object stores may not keep it
@@ -114,7 +115,7 @@ def test_a_name_the_destination_cannot_store_fails_loudly(real_dir: Path, stage_
     here (found by this test: rclone-s3 fails the upload at close with EIO, s3fs at fsync
     with ENOENT). PublishError names it, the other file lands, no commit file is written."""
     dest = real_dir / "checkpoint-6"
-    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, stage_root, background=8) as local:
+    with pytest.raises(PublishError) as info, files_at_once(safestage.staged_dir(dest, stage_root), 8) as local:
         (local / "config.json").write_text("{}")
         (local / "notes\nwith newline.txt").write_text("x")
     error = info.value
@@ -433,7 +434,7 @@ def test_a_failed_file_names_what_landed_and_keeps_the_rest(tmp_path: Path, shm_
         write_checkpoint(local, 1)
     subprocess.run(["chattr", "+i", str(dest / "state")], check=True)  # its files cannot land
     try:
-        with pytest.raises(PublishError) as info, safestage.staged_dir(dest, shm_root, background=1) as local:
+        with pytest.raises(PublishError) as info, files_at_once(safestage.staged_dir(dest, shm_root), 1) as local:
             expected = write_checkpoint(local, 2)
     finally:
         subprocess.run(["chattr", "-i", str(dest / "state")], check=True)
@@ -481,7 +482,7 @@ def test_upload_failing_at_close(kit_mounts: dict[str, Any], stage_root: Path) -
 
 def test_destination_full(small_tmpfs: Path, shm_root: Path) -> None:
     dest = small_tmpfs / "c"
-    with pytest.raises(PublishError) as info, safestage.staged_dir(dest, shm_root, background=1) as local:
+    with pytest.raises(PublishError) as info, files_at_once(safestage.staged_dir(dest, shm_root), 1) as local:
         (local / "big.bin").write_bytes(os.urandom(3 << 20))  # largest: published first, fails
         (local / "small.bin").write_bytes(b"s")
     assert info.value.errno == errno.ENOSPC
@@ -785,7 +786,7 @@ def test_a_writer_killed_in_the_block_leaves_a_disposable_directory(tmp_path: Pa
 
 _KILLED_COMMIT = """
 import os, sys, safestage
-with safestage.staged_dir(sys.argv[1], sys.argv[2], publish="replace", background=2) as local:
+with safestage.staged_dir(sys.argv[1], sys.argv[2], publish="replace") as local:
     (local / "shards").mkdir()
     (local / "shards" / "s0.bin").write_bytes(os.urandom(12 << 20))
     (local / "top.bin").write_bytes(os.urandom(12 << 20))
@@ -956,7 +957,7 @@ def test_keyboard_interrupt_at_random_moments_of_a_commit(kit_mounts: dict[str, 
     rng = random.Random(11)
 
     def commit(dest: Path) -> None:
-        with safestage.staged_dir(dest, stage_root, background=2) as local:
+        with safestage.staged_dir(dest, stage_root) as local:
             shutil.copytree(source, local, dirs_exist_ok=True)
 
     started = time.perf_counter()
@@ -1024,7 +1025,7 @@ def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
     }
 
 
-def test_commits_use_at_most_background_threads(kit_mounts: dict[str, Any], stage_root: Path) -> None:
+def test_a_commit_publishes_at_most_two_files_at_once(kit_mounts: dict[str, Any], stage_root: Path) -> None:
     seen: list[int] = []
     stop = threading.Event()
 
@@ -1036,13 +1037,13 @@ def test_commits_use_at_most_background_threads(kit_mounts: dict[str, Any], stag
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        with safestage.staged_dir(Path(kit_mounts["slow"].path) / f"c-{uuid.uuid4().hex[:8]}", stage_root, background=3) as local:
+        with safestage.staged_dir(Path(kit_mounts["slow"].path) / f"c-{uuid.uuid4().hex[:8]}", stage_root) as local:
             for index in range(8):
                 (local / f"shard-{index}.bin").write_bytes(os.urandom(2 << 20))
     finally:
         stop.set()
         watcher.join()
-    assert max(seen) == 3, max(seen)
+    assert max(seen) == 2, max(seen)
 
 
 _CONCURRENT_COMMITTER = """
@@ -1050,7 +1051,7 @@ import os, sys, time, safestage
 dest, root, tag, go = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 while not os.path.exists(go):
     time.sleep(0.0005)
-with safestage.staged_dir(dest, root, background=1) as local:
+with safestage.staged_dir(dest, root) as local:
     for i in range(6):
         (local / f"shard-{i}.bin").write_bytes(tag.encode() * (1 << 20))
 """

@@ -64,10 +64,14 @@ def test_background_folds_the_count_of_files_publishing_at_once(argument, variab
     assert safestage.staged(background=argument).settings.background == resolve(background=argument).background
 
 
-def test_staged_dir_commits_two_files_at_once_unless_told(tmp_path):
-    assert safestage.staged_dir(tmp_path / "c").settings.background == 2
-    assert safestage.staged_dir(tmp_path / "c", background=5).settings.background == 5
-    assert safestage.staged_dir(tmp_path / "c", background=False).settings.background == 0  # one thread
+def test_staged_dir_background_is_the_count_of_commits_in_flight_and_never_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAFESTAGE_BACKGROUND", "5")  # for the saves staging intercepts, not commits
+    assert safestage.staged_dir(tmp_path / "c").settings.background == 2  # two files at once, always
+    assert safestage.staged_dir(tmp_path / "c")._in_flight == 0  # synchronous unless told
+    assert safestage.staged_dir(tmp_path / "c", background=True)._in_flight == 1
+    assert safestage.staged_dir(tmp_path / "c", background=3)._in_flight == 3
+    with pytest.raises(ConfigError, match="background='many'"):
+        safestage.staged_dir(tmp_path / "c", background="many")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
