@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ._commit import StagedDir, staged_dir
     from ._in_place import commit_in_place
     from ._manifest import COMMIT_NAME, FileEntry, Manifest
+    from ._recover import Recovered, recover
     from ._verify import Problem, VerifyResult, latest_complete, verify
 
 # The checkpoint API is imported on first use: the start-up hook imports this package in
@@ -39,6 +40,8 @@ _LAZY = {
     "FileEntry": "_manifest",
     "Manifest": "_manifest",
     "Problem": "_verify",
+    "Recovered": "_recover",
+    "recover": "_recover",
     "VerifyResult": "_verify",
     "latest_complete": "_verify",
     "verify": "_verify",
@@ -71,6 +74,7 @@ __all__ = [
     "Problem",
     "PublishError",
     "PublishRecord",
+    "Recovered",
     "SafestageError",
     "Stage",
     "StagedDir",
@@ -81,6 +85,7 @@ __all__ = [
     "commit_in_place",
     "is_active",
     "latest_complete",
+    "recover",
     "staged",
     "staged_dir",
     "staged_file",

@@ -1,9 +1,10 @@
-"""The `safestage` command: doctor, run, status, clean, verify, latest, demo, kit. The only
-module that prints.
+"""The `safestage` command: doctor, run, status, clean, recover, verify, latest, demo, kit. The
+only module that prints.
 
 Exit status: 0 all good; 1 the command found a problem (doctor: a plain save fails or loses
 data here, or staging is not possible / fails too; status: a SAFESTAGE_* variable is bad;
-clean: something could not be removed); 2 a usage error. `run` becomes its command (exec)
+clean: something could not be removed; recover: a kept copy was refused or failed); 2 a
+usage error; 3 `latest` or `recover` could not look. `run` becomes its command (exec)
 after its checks; called in-process it returns the command's status (128 + N for signal N).
 
 --json output: doctor's keys are documented in _doctor; status prints {version, python,
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
 
 # `safestage latest`: 0 found (printed), 1 no complete checkpoint, 2 usage, 3 could not look.
 LATEST_COULD_NOT_LOOK = 3
+# `safestage recover`: 0 all recovered, 1 something failed or was refused, 2 usage, 3 no root.
+RECOVER_COULD_NOT_READ = 3
 
 HOOK_FILES = ("safestage.pth", "safestage.start")  # .pth up to Python 3.14, .start (PEP 829) after
 
@@ -182,6 +185,24 @@ def _parser() -> argparse.ArgumentParser:
                        help="also remove leftovers of other hosts untouched for longer than this")  # fmt: skip
     clean.add_argument("--json", action="store_true", help="print one JSON object")
     clean.set_defaults(handler=_clean)
+
+    recover = commands.add_parser(
+        "recover",
+        help="commit or publish the copies kept in a staging root by saves that did not finish",
+        description="For every copy kept in ROOT (a commit that failed, or whose process was "
+        "killed after its block returned; a failed single-file publish) whose process is gone: "
+        "commit the checkpoint directory to the destination its record names (the commit of "
+        "staged_dir: the commit file last), or publish the file, then remove the copy. Refuse, "
+        "touching nothing, what cannot be done right (the destination's parent missing, a newer "
+        "complete checkpoint there, files not matching the record, a rank of a distributed "
+        "commit). Exit 0 all recovered, 1 something failed or was refused, 3 ROOT could not be "
+        "read.",
+    )
+    recover.add_argument("root", metavar="ROOT", nargs="?", type=_root_argument, default=None,
+                         help="the staging root (default: SAFESTAGE_DIR, else $TMPDIR/safestage-<uid>)")  # fmt: skip
+    recover.add_argument("--dry-run", action="store_true", help="only say what would be done")
+    recover.add_argument("--json", action="store_true", help="print one JSON object")
+    recover.set_defaults(handler=_recover)
 
     verify = commands.add_parser(
         "verify",
@@ -818,3 +839,33 @@ def _clean(args: argparse.Namespace) -> int:
         )
         _print_line(f"{summary} (safestage leftovers in {args.path}; nothing else is touched)")
     return 1 if counts["failed"] else 0
+
+
+# -- recover -----------------------------------------------------------------------------------
+
+
+def _recover(args: argparse.Namespace) -> int:
+    from ._errors import StagingError
+    from ._recover import ACTIONS, recover
+
+    try:
+        results = recover(args.root, dry_run=args.dry_run)
+    except ConfigError as exc:
+        return _usage_error("recover", str(exc))
+    except StagingError as exc:  # the root is missing, unreadable, not a usable staging root
+        print(f"safestage recover: {exc}", file=sys.stderr)
+        return RECOVER_COULD_NOT_READ
+    counts = {action: sum(result.action == action for result in results) for action in ACTIONS}
+    status = 1 if counts["refused"] or counts["failed"] else 0
+    if args.json:
+        _print_json({
+            "dry_run": args.dry_run,
+            "entries": [result.to_json() for result in results],
+            **{action.replace("-", "_"): count for action, count in counts.items()},
+        })  # fmt: skip
+        return status
+    for result in results:
+        _print_line(f"{result.action}  {result.local} -> {result.destination or '?'}: {result.reason}")
+    summary = ", ".join(f"{count} {action}" for action, count in counts.items() if count)
+    _print_line(f"{summary or 'no kept copy'} (kept copies in {args.root or 'the staging root'})")
+    return status

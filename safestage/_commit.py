@@ -200,8 +200,7 @@ class StagedDir:
             tree = _scan(local, dest)
             _check_destination(dest, tree)
         except PublishError:
-            with deferred():  # refused as it is, it would be refused again: not kept
-                _discard(private, local)
+            self._refused(private, local)
             raise
         except BaseException as exc:  # Ctrl-C while checking: nothing published, the copy kept
             self._keep(private, local, tree, {}, exc)
@@ -282,6 +281,10 @@ class StagedDir:
     def done(self) -> bool:
         """Whether the commit has finished (landed or failed); False before the block returned."""
         return self._state == "closed" and _background.running(self) == 0
+
+    def _refused(self, private: SaveDir, local: Path) -> None:
+        with deferred():  # refused as it is, it would be refused again: not kept
+            _discard(private, local)
 
     def _keep(
         self,
@@ -941,3 +944,30 @@ def _version() -> str:
 
     return __version__
 
+
+
+# -- committing a copy an earlier commit kept (safestage recover) ------------------------------
+
+
+class _KeptCommit(StagedDir):
+    """The commit of a local directory that an earlier commit kept (its process was killed
+    after the block returned, or a publish failed): the same steps, from the checks on. A
+    refusal keeps the copy, unlike a fresh commit's: it may be the only one, and what is in
+    the way at the destination can be moved."""
+
+    def _refused(self, private: SaveDir, local: Path) -> None:
+        private.release()
+
+
+def commit_kept(dest: Path, private: SaveDir, local: Path, settings: Settings, staging: StagingRoot) -> Manifest:
+    """Commit ``local``, a complete checkpoint kept in the locked save directory ``private``,
+    to ``dest`` exactly as ``staged_dir`` does once its block has returned. Raises what that
+    commit raises; a failure keeps the copy with its record rewritten (``StagedDir._keep``)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(private / _STAGED_COMMIT)  # staged by the failed commit: written anew (O_EXCL)
+    commit = _KeptCommit(dest, settings)
+    commit.dest, commit.local, commit._staging, commit._private = dest, local, staging, private
+    commit._state = "closed"
+    commit._commit(private, local)
+    assert commit.manifest is not None
+    return commit.manifest

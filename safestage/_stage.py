@@ -103,7 +103,7 @@ class StagingRoot:
     """The staging root, checked (local, POSIX, writable, not planted) and swept of dead
     processes' save directories when constructed. _save keeps one per process and root."""
 
-    def __init__(self, root: Path, *, is_default: bool) -> None:
+    def __init__(self, root: Path, *, is_default: bool, warn_kept: bool = True) -> None:
         if is_default:
             _ensure_private_default(root)
         _check_root(root)
@@ -114,7 +114,7 @@ class StagingRoot:
             raise _root_error(self.path, exc, "inspect") from exc
         self.device = info.st_dev
         self._identity = _identity(info)
-        _sweep_dead(self.path)
+        _sweep_dead(self.path, warn_kept=warn_kept)
 
     def unchanged(self) -> bool:
         """Whether the checked directory is still there, as itself, with the owner and mode it
@@ -205,9 +205,14 @@ def _drop_abandoned(candidate: Path, fd: Optional[int]) -> None:
             close_quietly(fd)
 
 
-def _sweep_dead(root: Path) -> None:
+def _sweep_dead(root: Path, *, warn_kept: bool = True) -> None:
     """Remove staging directories that processes on this host left when they died (the same
-    rules as `safestage clean`: one that still holds a finished file is kept)."""
+    rules as `safestage clean`: one that still holds a finished file is kept), and name the
+    kept copies in one WARNING (``warn_kept``; not for `safestage recover` itself).
+
+    A kept copy is never published from here: the job may have written newer checkpoints
+    since, and an activation must not start uploads nobody asked for; `safestage recover`
+    does it when asked (``_recover``)."""
     from ._clean import clean  # local: only activation needs it
 
     try:
@@ -221,14 +226,15 @@ def _sweep_dead(root: Path) -> None:
             log.info("removed %s/%s: %s", root, entry.name, entry.reason)
         elif entry.action == "kept" and "complete copy" in entry.reason:
             log.info("%s/%s: %s", root, entry.name, entry.reason)
-            kept.append(entry.name)
-    if kept:  # one line per activation, not one per copy: every process of a job sweeps
+            kept.append(entry.name if entry.destination is None else f"{entry.name} for {entry.destination}")
+    if kept and warn_kept:  # one line per activation, not one per copy: every process of a job sweeps
         log.warning(
-            "%d staging director%s in %s hold%s the only complete copy of a save that was not "
-            "published (%s): copy each to its destination, then delete it; `safestage clean "
-            "%s` lists them",
-            len(kept), "y" if len(kept) == 1 else "ies", root, "s" if len(kept) == 1 else "",
-            ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""), root,
+            "%d kept cop%s in the staging root %s (%s): the only complete copy of a save whose "
+            "publish did not finish. safestage never publishes a kept copy on its own (newer "
+            "checkpoints may exist since); `safestage recover %s` publishes each to its "
+            "destination or says why not (--dry-run: only say)",
+            len(kept), "y" if len(kept) == 1 else "ies", root,
+            "; ".join(kept[:3]) + ("; ..." if len(kept) > 3 else ""), root,
         )  # fmt: skip
 
 
