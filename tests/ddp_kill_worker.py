@@ -109,7 +109,11 @@ def _final_equal(model: torch.nn.Module, reference: Path, step: int) -> bool:
     if not path.exists():
         return True  # the reference job itself
     expected = load_file(str(path))
-    return all(torch.equal(value, expected[key]) for key, value in model.state_dict().items())
+    # Close, not equal: DDP's first iteration after a restart reduces gradients in its initial
+    # bucket layout, the uninterrupted run in the rebuilt one, and ring allreduce sums each
+    # element in an order that depends on its offset (float rounding). The resumed state
+    # itself is compared exactly.
+    return all(torch.allclose(value, expected[key], rtol=1e-4, atol=1e-6) for key, value in model.state_dict().items())
 
 
 def _die_after(delay: float) -> None:
