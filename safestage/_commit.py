@@ -125,12 +125,12 @@ class StagedDir:
         if self._state != "new":
             raise RuntimeError("this staged_dir was already used; call safestage.staged_dir() again")
         self._state = "open"
-        _raise_failed_commits()
         _background.adopt(self)  # its commit may run in the background in this process only
         if self._in_flight or self._group is not None:
             # Never more local copies than commits allowed in flight; a collective commit
             # waits for every earlier one, whose exchanges share its gloo group.
             _background.make_room("commit", 1 if self._group is not None else self._in_flight)
+        _raise_failed_commits()  # of those finished by now
         if self._group is not None:
             from ._group_commit import enter
 

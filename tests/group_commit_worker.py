@@ -45,10 +45,21 @@ def main() -> None:
     for case in plan["cases"]:
         started = time.monotonic()
         try:
-            with safestage.staged_dir(case["dest"], group=dist.group.WORLD) as local:
+            background = case["name"] == "background"
+            handle = safestage.staged_dir(case["dest"], group=dist.group.WORLD, background=background)
+            with handle as local:
                 write(local, rank, case["name"], case)
+            steps = 0
+            in_flight = background and not handle.done()
+            for _ in range(20 if background else 0):  # training goes on, on the job's own group
+                total = torch.ones(1)
+                dist.all_reduce(total)
+                assert total.item() == dist.get_world_size()
+                steps += 1
+            manifest = handle.wait()
             results.append({"case": case["name"], "ok": True, "seconds": time.monotonic() - started,
-                            "root": os.environ["SAFESTAGE_DIR"], "local": str(local)})
+                            "root": os.environ["SAFESTAGE_DIR"], "local": str(local), "steps": steps, "in_flight": in_flight,
+                            "files": len(manifest.files)})
         except BaseException as exc:  # reported, the next case goes on
             results.append({"case": case["name"], "ok": False, "type": type(exc).__name__, "error": str(exc),
                             "errno": getattr(exc, "errno", None), "staged_path": getattr(exc, "staged_path", None)})

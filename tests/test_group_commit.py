@@ -44,6 +44,7 @@ def job(tmp_path_factory: pytest.TempPathFactory, kit_mounts: dict[str, Any], re
         directory = Path(mounts[mode].path) / f"group-{base.name}"
         directory.mkdir()
         dests[mode] = directory
+    (dests["hdfs"] / "background").mkdir()
     tiny = base / "tiny"
     tiny.mkdir()
     os.system(f"mount -t tmpfs -o size=2m,mode=0755 tmpfs {tiny}")
@@ -60,6 +61,7 @@ def job(tmp_path_factory: pytest.TempPathFactory, kit_mounts: dict[str, Any], re
         {"name": "clash", "dest": str(previous)},
         {"name": "enospc", "dest": str(tiny / "checkpoint-1")},
         {"name": "ok", "dest": str(dests["mountpoint"] / "checkpoint-1"), "mode": "mountpoint-again"},
+        {"name": "background", "dest": str(dests["hdfs"] / "background" / "checkpoint-2")},
     ]
     plan = base / "plan.json"
     plan.write_text(json.dumps({"cases": cases}))
@@ -99,6 +101,19 @@ def test_four_ranks_on_two_nodes_commit_one_checkpoint_listing_every_file_and_it
     assert safestage.latest_complete(job["dests"][mode]) == dest
     for result in results:  # every rank's local copy went once the commit landed
         assert not Path(result["local"]).parent.exists(), result
+
+
+@pytest.mark.slow
+def test_a_collective_background_commit_lands_while_the_ranks_go_on_with_their_own_collectives(job: dict[str, Any]) -> None:
+    index = [case["name"] for case in job["cases"]].index("background")
+    results = _results(job, index)
+    assert all(result["ok"] and result["files"] == 2 * RANKS + 1 for result in results), results
+    dest = job["dests"]["hdfs"] / "background" / "checkpoint-2"
+    assert _listing(dest) == _expected_files() and safestage.verify(dest, deep=True).complete
+    assert safestage.latest_complete(dest.parent) == dest
+    # The ranks ran 20 all_reduce calls on the job's group after their blocks, while the
+    # commit's exchanges went on over safestage's own group (a mix-up would hang or fail them).
+    assert [result["steps"] for result in results] == [20] * RANKS
 
 
 @pytest.mark.slow
