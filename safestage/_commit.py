@@ -46,7 +46,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Callable, NoReturn, Optional, Union
 
-from . import _background, _config, _patch, _save
+from . import _background, _config, _inflight, _patch, _prune, _save
 from ._clean import remove_dead_temps
 from ._config import BACKGROUND_ON, PathArg, Publish, Settings
 from ._errors import PublishError
@@ -101,8 +101,9 @@ class StagedDir:
     directory to write the checkpoint into; after a successful block, ``records`` lists the
     published files (the commit file last) and ``manifest`` is what the commit file says."""
 
-    def __init__(self, dest: PathArg, settings: Settings) -> None:
+    def __init__(self, dest: PathArg, settings: Settings, retention: Optional[_prune.Retention] = None) -> None:
         self.settings = settings
+        self._retention = retention  # keep=N: pruned after the commit landed (_prune)
         self._dest_argument = dest
         self.dest: Optional[Path] = None  # the kernel's path of the destination, once entered
         self.local: Optional[Path] = None
@@ -152,6 +153,7 @@ class StagedDir:
 
     # -- the commit ---------------------------------------------------------------------------
 
+    @_inflight.registered  # from here until it lands or fails, retention never removes dest
     def _commit(self, private: SaveDir, local: Path) -> None:
         dest, staging = self.dest, self._staging
         assert dest is not None and staging is not None
@@ -198,6 +200,8 @@ class StagedDir:
             "%s: committed %d files, %d bytes in %.3fs",
             dest, len(manifest.files), manifest.total_bytes, time.perf_counter() - started,
         )  # fmt: skip
+        if self._retention is not None:  # only now that the commit file has landed
+            self._retention.after_commit(dest, staging.path)
 
     def _keep(
         self,
@@ -403,6 +407,7 @@ def staged_dir(
     publish: Optional[Publish] = None,
     fsync: bool = True,
     background: Union[bool, int, None] = None,
+    keep: Optional[int] = None,
     **removed: NoReturn,
 ) -> StagedDir:
     """Write a whole checkpoint directory locally; commit it to ``dest`` when the block succeeds.
@@ -419,14 +424,17 @@ def staged_dir(
     ``_SAFESTAGE_COMMIT.json`` is written last. ``dest`` is created if missing (its parent
     must exist). If the block raises, nothing is published and ``local`` is removed. If a
     publish fails, PublishError says which files landed; no commit file is written and the
-    local copy is kept. Options are checked here (ConfigError), ``dest`` and the staging
-    root when the block starts.
+    local copy is kept. ``keep=N``: once the commit file has landed, prune ``dest``'s parent
+    of the checkpoints named like it (its name with the trailing step number as ``*``) beyond
+    the N newest complete ones, as ``safestage.prune`` does; a failure there is a WARNING, never
+    an error of the landed commit. Options are checked here (ConfigError), ``dest`` and the
+    staging root when the block starts.
     """
     _config.reject_removed(removed, "safestage.staged_dir")
     settings = _config.resolve(
         root=root, publish=publish, fsync=fsync, background=background, background_default=BACKGROUND_ON
     )
-    return StagedDir(dest, settings)
+    return StagedDir(dest, settings, _prune.retention_for(dest, keep))
 
 
 # -- committing files already at the destination ------------------------------------------------

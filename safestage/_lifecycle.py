@@ -40,6 +40,7 @@ AFTER_FORK_IN_CHILD: tuple[tuple[str, str], ...] = (
     # publisher and its futures, the activation stack.
     ("safestage._save", "after_fork_in_child"),
     ("safestage._background", "after_fork_in_child"),
+    ("safestage._inflight", "after_fork_in_child"),
     ("safestage._patch", "after_fork_in_child"),
 )
 
