@@ -329,7 +329,7 @@ def plan(
             if claims is None:  # only when something is to go: the roots are read once
                 claims = {**_staging_claims(roots), **busy_destinations()}
             why_not = _claim_on(kernel_base / c.name, claims)
-        if why_not is not None:  # a name without a step number is the user's: said once, at DEBUG
+        if why_not is not None:  # a name without a step number is the user's: DEBUG, not a line per commit
             decisions.append(Decision(path, "keep", why_not, routine=c.step < 0))
         else:
             decisions.append(Decision(path, "remove", wanted[c.name]))
@@ -409,7 +409,7 @@ def remove_checkpoint(path: Path, removed_before: Union[list[Path], tuple[Path, 
             commit_removed = True
             fsync_directory(path)
         except FileNotFoundError:
-            commit_removed = True
+            pass  # not complete: nothing vouches for it
         _remove_below(path)
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(path)
@@ -437,15 +437,14 @@ def _removal_error(path: Path, exc: OSError, commit_removed: bool, removed_befor
         advice = "something is writing into it: find that writer, let it finish, then prune again"
     else:
         advice = "check that this user may delete files there and that the mount is writable, then prune again"
-    state = (
-        "Its commit file was removed first: it is no longer complete (verify and latest_complete skip it)"
-        if commit_removed and where != str(path / COMMIT_NAME)
-        else "It is untouched"
+    if where == str(path / COMMIT_NAME):
+        state = "it is untouched"
+    elif commit_removed:
+        state = "its commit file was removed first: it is no longer complete (verify and latest_complete skip it)"
+    else:
+        state = "it was not complete (no commit file); what is left of it stays"
+    before = f"; removed before it: {', '.join(map(str, removed_before))}" if removed_before else ""
+    # str() of the OSError ends with the path that failed (``where``).
+    return type(exc)(
+        exc.errno, f"safestage.prune could not remove {path}: {_text(exc)}: {advice}; {state}{before}", where
     )
-    before = f" Removed before it: {', '.join(map(str, removed_before))}." if removed_before else ""
-    error = type(exc)(
-        exc.errno,
-        f"safestage.prune could not remove {path}: {_text(exc)} at {where}: {advice}. {state}.{before}",
-        where,
-    )
-    return error
