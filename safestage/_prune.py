@@ -87,20 +87,21 @@ class Retention:
     pattern: str
 
     def after_commit(self, dest: Path, staging_root: Optional[Path]) -> list[Path]:
-        """Prune ``dest.parent`` once ``dest``'s commit file has landed. Never raises an
-        OSError: the checkpoint is complete, and a cleanup that could not be done must not
+        """Prune ``dest.parent`` once ``dest``'s commit file has landed. Never raises (but a
+        KeyboardInterrupt): the checkpoint is complete, and a cleanup that could not be done must not
         make a landed commit look failed (nor, for a background commit, fail the next save).
         It is logged as a WARNING naming what stays and what to run."""
         try:
             decisions = plan(dest.parent, self.keep, self.pattern,
                              roots=known_roots(staging_root), protect=dest)  # fmt: skip
             return apply(decisions)
-        except OSError as exc:
+        except Exception as exc:  # not only OSError: nothing here may fail a landed commit
             log.warning(
                 "safestage: %s was committed (it is complete), but retention (keep=%d) could not "
                 "prune %s: %s. Nothing else is affected; the next commit with keep= tries again, "
                 "or run `safestage prune %s --keep %d --pattern '%s'`",
                 dest, self.keep, dest.parent, exc, dest.parent, self.keep, self.pattern,
+                exc_info=not isinstance(exc, OSError),  # a bug: its traceback too
             )  # fmt: skip
             return []
 
