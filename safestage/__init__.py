@@ -8,6 +8,7 @@
     with safestage.staged_dir("/mnt/s3/run42/checkpoint-1000") as local:   # whole directories
         trainer_like_save(local)                                           # committed last
     safestage.latest_complete("/mnt/s3/run42")                             # resume from here
+    safestage.prune("/mnt/s3/run42", keep=3)                               # retention
 
 Importing safestage imports only the standard library: torch, safetensors and wrapt are
 touched when staging is first activated.
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from ._commit import StagedDir, staged_dir
     from ._in_place import commit_in_place
     from ._manifest import COMMIT_NAME, FileEntry, Manifest
+    from ._prune import prune
     from ._recover import Recovered, recover
     from ._verify import Problem, VerifyResult, latest_complete, verify
 
@@ -43,6 +45,7 @@ _LAZY = {
     "Recovered": "_recover",
     "recover": "_recover",
     "VerifyResult": "_verify",
+    "prune": "_prune",
     "latest_complete": "_verify",
     "verify": "_verify",
 }
@@ -85,6 +88,7 @@ __all__ = [
     "commit_in_place",
     "is_active",
     "latest_complete",
+    "prune",
     "recover",
     "staged",
     "staged_dir",

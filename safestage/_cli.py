@@ -1,10 +1,10 @@
-"""The `safestage` command: doctor, run, status, clean, recover, verify, latest, demo, kit. The
+"""The `safestage` command: doctor, run, status, clean, recover, verify, latest, prune, demo, kit. The
 only module that prints.
 
 Exit status: 0 all good; 1 the command found a problem (doctor: a plain save fails or loses
 data here, or staging is not possible / fails too; status: a SAFESTAGE_* variable is bad;
-clean: something could not be removed; recover: a kept copy was refused or failed); 2 a
-usage error; 3 `latest` or `recover` could not look. `run` becomes its command (exec)
+clean, prune: something could not be removed; recover: a kept copy was refused or failed); 2 a
+usage error; 3 `latest`, `recover` or `prune` could not look. `run` becomes its command (exec)
 after its checks; called in-process it returns the command's status (128 + N for signal N).
 
 --json output: doctor's keys are documented in _doctor; status prints {version, python,
@@ -99,6 +99,24 @@ def _publish_argument(value: str) -> str:
 def _background_argument(value: str) -> int:
     try:
         return parse_background(value, "--background")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _keep_argument(value: str) -> int:
+    from ._prune import check_keep
+
+    try:
+        return check_keep(int(value) if value.strip().isdigit() else value, "--keep")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _pattern_argument(value: str) -> str:
+    from ._prune import check_pattern
+
+    try:
+        return check_pattern(value, "--pattern")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
@@ -231,6 +249,29 @@ def _parser() -> argparse.ArgumentParser:
                         help="fnmatch pattern of checkpoint names (default: checkpoint-*)")  # fmt: skip
     latest.add_argument("--deep", action="store_true", help="verify candidates deeply (reads them)")
     latest.set_defaults(handler=_latest)
+
+    prune = commands.add_parser(
+        "prune",
+        help="remove old checkpoints in PARENT, keeping the N newest complete ones",
+        description="Remove, among the directories of PARENT matching --pattern (ordered as "
+        "`latest` orders them), the complete checkpoints beyond the N newest complete ones and "
+        "the incomplete ones older than the newest complete one. Never the newest complete "
+        "one, nor an incomplete one at least as new (a save in progress), nor one a live "
+        "safestage commit on this host is writing (seen through the staging roots: --dir, "
+        "SAFESTAGE_DIR, the default root), nor a name without a step number or a symlink. "
+        "The commit file goes first, then the rest. Prints each checkpoint removed (or that "
+        "would be, --dry-run) and each kept for a reason. Exit 0 done; 1 a removal failed; 2 "
+        "usage; 3 could not look (PARENT cannot be listed).",
+    )
+    prune.add_argument("parent", metavar="PARENT", type=Path, help="the directory holding the checkpoints")
+    prune.add_argument("--keep", metavar="N", type=_keep_argument, required=True,
+                       help="how many complete checkpoints to keep (>= 1)")  # fmt: skip
+    prune.add_argument("--pattern", metavar="P", default="checkpoint-*", type=_pattern_argument,
+                       help="fnmatch pattern of checkpoint names (default: checkpoint-*)")  # fmt: skip
+    prune.add_argument("--dir", metavar="STAGING_ROOT", type=Path,
+                       help="also look for live commits in this staging root")  # fmt: skip
+    prune.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    prune.set_defaults(handler=_prune)
 
     demo = commands.add_parser(
         "demo",
@@ -791,6 +832,40 @@ def _latest(args: argparse.Namespace) -> int:
         print(f"safestage latest: no complete checkpoint matching {args.pattern!r} in {args.parent}", file=sys.stderr)
         return 1
     print(found)
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from ._prune import apply, known_roots, plan
+
+    error = _existing_directory("prune", args.parent)
+    if error is not None:
+        return error
+    try:
+        decisions = plan(args.parent, args.keep, args.pattern, roots=known_roots(args.dir))
+    except OSError as exc:
+        print(f"safestage prune: could not look: {exc.strerror}", file=sys.stderr)
+        return LATEST_COULD_NOT_LOOK
+    for decision in decisions:
+        if decision.action == "keep" and not decision.routine:
+            _print_line(f"kept          {decision.path}  ({decision.reason})")
+    removing = [decision for decision in reversed(decisions) if decision.action == "remove"]
+    failed = None
+    for decision in removing:
+        try:
+            apply([decision], dry_run=args.dry_run)
+        except OSError as exc:
+            failed = exc
+            break
+        _print_line(f"{'would remove' if args.dry_run else 'removed':<12}  {decision.path}  ({decision.reason})")
+    if failed is not None:
+        print(f"safestage prune: {failed.strerror}", file=sys.stderr)
+        return 1
+    done = len(removing)
+    _print_line(
+        f"{done} {'would be removed' if args.dry_run else 'removed'}, {len(decisions) - done} kept "
+        f"(checkpoints matching {args.pattern!r} in {args.parent})"
+    )
     return 0
 
 

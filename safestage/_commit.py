@@ -46,7 +46,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, NoReturn, Optional, Union
 
-from . import _background, _config, _patch, _save
+from . import _background, _config, _inflight, _patch, _prune, _save
 from ._clean import remove_dead_temps
 from ._config import BACKGROUND_ON, PathArg, Publish, Settings
 from ._errors import ConfigError, PublishError
@@ -103,9 +103,17 @@ class StagedDir:
     published files (the commit file last) and ``manifest`` is what the commit file says."""
 
     def __init__(
-        self, dest: PathArg, settings: Settings, *, group: Any = None, timeout: float = 0.0, in_flight: int = 0
+        self,
+        dest: PathArg,
+        settings: Settings,
+        *,
+        group: Any = None,
+        timeout: float = 0.0,
+        in_flight: int = 0,
+        retention: Optional[_prune.Retention] = None,
     ) -> None:
         self.settings = settings
+        self._retention = retention  # keep=N: pruned after the commit landed (_prune)
         self._dest_argument = dest
         self._group, self._timeout = group, timeout  # a collective commit (_group_commit)
         self.dest: Optional[Path] = None  # the kernel's path of the destination, once entered
@@ -228,6 +236,7 @@ class StagedDir:
             self._error = exc
             raise
 
+    @_inflight.registered  # from here until it lands or fails, retention never removes dest
     def _land(self, private: SaveDir, local: Path, tree: _Tree, *, handed: bool = False) -> None:
         dest, staging = self.dest, self._staging
         assert dest is not None and staging is not None
@@ -261,6 +270,8 @@ class StagedDir:
             "%s: committed %d files, %d bytes in %.3fs",
             dest, len(manifest.files), manifest.total_bytes, time.perf_counter() - started,
         )  # fmt: skip
+        if self._retention is not None:  # only now that the commit file has landed
+            self._retention.after_commit(dest, staging.path)
 
     # -- the handle of a commit ----------------------------------------------------------------
 
@@ -537,6 +548,7 @@ def staged_dir(
     background: Union[bool, int] = False,
     group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
+    keep: Optional[int] = None,
     **removed: NoReturn,
 ) -> StagedDir:
     """Write a whole checkpoint directory locally; commit it to ``dest`` when the block succeeds.
@@ -558,8 +570,11 @@ def staged_dir(
     raised by ``wait()``, by the next ``staged_dir`` and, if nobody saw it, at exit (status 1). ``dest`` is created if missing (its parent
     must exist). If the block raises, nothing is published and ``local`` is removed. If a
     publish fails, PublishError says which files landed; no commit file is written and the
-    local copy is kept. Options are checked here (ConfigError), ``dest`` and the staging
-    root when the block starts.
+    local copy is kept. ``keep=N``: once the commit file has landed, prune ``dest``'s parent
+    of the checkpoints named like it (its name with the trailing step number as ``*``) beyond
+    the N newest complete ones, as ``safestage.prune`` does; a failure there is a WARNING, never
+    an error of the landed commit. Options are checked here (ConfigError), ``dest`` and the
+    staging root when the block starts.
 
     ``group``, a torch.distributed process group (``torch.distributed.group.WORLD``), makes it
     a collective: every rank of the group enters with the same ``dest`` and writes its own
@@ -582,7 +597,8 @@ def staged_dir(
         )
     if group is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
         raise ConfigError(f"safestage.staged_dir: timeout must be a number of seconds > 0, not {timeout!r}")
-    return StagedDir(dest, settings, group=group, timeout=float(timeout), in_flight=in_flight)
+    return StagedDir(dest, settings, group=group, timeout=float(timeout), in_flight=in_flight,
+                     retention=_prune.retention_for(dest, keep))
 
 
 # -- committing files already at the destination ------------------------------------------------

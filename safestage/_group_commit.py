@@ -58,6 +58,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("safestage")
 
+
+def _inflight_registered_dest(function: Any) -> Any:
+    """From step 3 until it lands or fails, retention in this process never removes dest."""
+    from ._inflight import committing
+
+    def wrapper(stage: StagedDir, peers: Peers, private: Any, local: Path, dest: Path, *args: Any) -> None:
+        with committing(dest):
+            function(stage, peers, private, local, dest, *args)
+
+    return wrapper
+
 # Seconds between the heartbeats of ranks publishing (step 4): the latest a failure elsewhere
 # stops this rank's next file, and the most the last rank to finish waits for the others.
 HEARTBEAT = 0.25
@@ -199,6 +210,7 @@ def leave(stage: StagedDir, exc: Optional[BaseException]) -> None:
     _commit_files(stage, peers, private, local, dest, tree, union, owners)
 
 
+@_inflight_registered_dest
 def _commit_files(
     stage: StagedDir,
     peers: Peers,
@@ -289,6 +301,8 @@ def _commit_files(
         _keep(stage, tree, published, failed)
         raise
     stage._finish(private, local, parse(final[0]))
+    if stage._retention is not None and peers.is_coordinator and stage._staging is not None:
+        stage._retention.after_commit(dest, stage._staging.path)  # one rank prunes, once it landed
 
 
 def _heartbeat(peers: Peers, work: _Work) -> Optional[BaseException]:

@@ -41,6 +41,7 @@ AFTER_FORK_IN_CHILD: tuple[tuple[str, str], ...] = (
     ("safestage._save", "after_fork_in_child"),
     ("safestage._background", "after_fork_in_child"),
     ("safestage._commit", "after_fork_in_child"),
+    ("safestage._inflight", "after_fork_in_child"),
     ("safestage._patch", "after_fork_in_child"),
     # safestage's gloo groups: process groups do not survive fork().
     ("safestage._peers", "after_fork_in_child"),
