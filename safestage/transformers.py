@@ -21,6 +21,13 @@ Before the Trainer writes into a ``checkpoint-N`` that already holds a commit fi
 resumed from an older checkpoint than the newest one), that commit file is removed, so a kill
 during the rewrite cannot leave an old commit vouching for new files.
 
+On many nodes each node stages under its own ``SAFESTAGE_DIR``; the saving process reads back
+the other nodes' files through the destination. Not ``staged_dir(group=...)``: that collective
+hands each rank a local directory to write into, and the Trainer writes ``checkpoint-N`` at
+``output_dir`` itself (its rotation, ``best_model_checkpoint`` and ``push_to_hub`` look there);
+under DDP rank 0 writes all but the other ranks' RNG files, so digests gathered from the ranks
+would spare it little of the read-back (docs/integrations.md, "Many ranks and many nodes").
+
 What it holds is glue only: when to commit (the Trainer's events, the barrier) and where
 (``checkpoint-<global_step>`` under ``output_dir``). Reading back and committing are the core's.
 transformers is imported when this module is.
