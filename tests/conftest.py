@@ -35,6 +35,8 @@ pytest_plugins = ["pytester"]
 SUITE_VARIABLES = (
     "SAFESTAGE_CRASH_TRIALS",  # test_crash_trials.py: SIGKILL trials per run
     "SAFESTAGE_CKPT_CRASH_TRIALS",  # test_checkpoint_crash_trials.py: SIGKILL trials per run
+    "SAFESTAGE_DIST_KILL_TRIALS",  # test_group_commit_kills.py: jobs, one rank SIGKILLed in each
+    "SAFESTAGE_DIST_KILL_SEED",  # test_group_commit_kills.py: the seed of the kills
 )
 _suite_settings: dict[str, str] = {}
 

@@ -59,7 +59,9 @@ def main() -> None:
     step, resumed_from, resumed_equal = 0, None, None
     latest = safestage.latest_complete(run_dir)
     if latest is not None:
-        model.load_state_dict(load_file(str(latest / "model.safetensors")))
+        saved = load_file(str(latest / "model.safetensors"))
+        saved.pop("_step")
+        model.load_state_dict(saved)
         own = torch.load(latest / "optim" / f"rank{rank}.pt", weights_only=False)
         optimizer.load_state_dict(own["optimizer"])
         step, resumed_from = own["step"], latest.name
@@ -84,8 +86,8 @@ def main() -> None:
                 threading.Thread(target=_die_after, args=(kill["delay"],), daemon=True).start()
             started, phase = time.monotonic(), "checkpoint"
             with safestage.staged_dir(run_dir / f"checkpoint-{step}", group=dist.group.WORLD) as local:
-                if rank == 0:
-                    save_file(dict(model.state_dict()), str(local / "model.safetensors"))
+                if rank == 0:  # with its step, so that a reader can tell the steps apart exactly
+                    save_file({**model.state_dict(), "_step": torch.tensor([step])}, str(local / "model.safetensors"))
                 save_file(shard_of(step, rank), str(local / f"shard-rank{rank}.safetensors"))
                 (local / "optim").mkdir()
                 torch.save({"optimizer": optimizer.state_dict(), "step": step}, local / "optim" / f"rank{rank}.pt")
