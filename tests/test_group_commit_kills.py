@@ -56,7 +56,7 @@ def _state_matches(checkpoint: Path, reference: Path) -> bool:
 def test_a_rank_killed_at_any_moment_of_a_checkpoint_never_leaves_a_wrong_latest_and_no_rank_hangs(
     tmp_path: Path, kit_mounts: dict[str, Any], real_mounts: dict[str, Any], suite_settings: dict[str, str]
 ) -> None:
-    trials = int(suite_settings.get("SAFESTAGE_DIST_KILL_TRIALS", "8"))
+    trials = int(suite_settings.get("SAFESTAGE_DIST_KILL_TRIALS", "4"))
     seed = int(suite_settings.get("SAFESTAGE_DIST_KILL_SEED", "20261202"))
     roots = (tmp_path / "node0", tmp_path / "node1")
     for root in roots:
@@ -73,7 +73,7 @@ def test_a_rank_killed_at_any_moment_of_a_checkpoint_never_leaves_a_wrong_latest
     fired = resumed = finished = 0
     wrong: list[str] = []
     for trial in range(trials):
-        mode = MODES[trial % len(MODES)]
+        mode = MODES[(trial // 2) % len(MODES)]  # two jobs in a row per mount: the second resumes
         run_dir = Path(mounts[mode].path) / f"run-{tmp_path.name}-{chains.setdefault(mode, 0)}"
         run_dir.mkdir(exist_ok=True)
         latest = safestage.latest_complete(run_dir)
@@ -114,6 +114,6 @@ def test_a_rank_killed_at_any_moment_of_a_checkpoint_never_leaves_a_wrong_latest
     print(f"{trials} jobs, {fired} kills during a checkpoint, {len(wrong)} wrong answers, {resumed} ranks resumed equal, "
           f"{finished} ranks finished equal to the reference")  # fmt: skip
     assert wrong == [], "\n".join(wrong)
-    if trials > len(MODES):  # from the fifth job on, each resumes a run a killed job left
+    if trials > 1:  # the second job on a mount resumes the run a killed job left
         assert resumed > 0, "no job resumed from latest_complete: the trials did not test resuming"
     assert fired >= trials // 2, f"only {fired} of {trials} kills came during a checkpoint: the trials did not test them"
