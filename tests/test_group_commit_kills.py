@@ -79,7 +79,9 @@ def test_a_rank_killed_at_any_moment_of_a_checkpoint_never_leaves_a_wrong_latest
         latest = safestage.latest_complete(run_dir)
         done = int(latest.name.split("-")[1]) if latest is not None else 0
         remaining = (TOTAL - done) // EVERY
-        kill = {"rank": rng.randrange(RANKS), "checkpoint": rng.randrange(remaining), "delay": rng.uniform(0.0, 0.6)}
+        # A run's first job is killed from its second checkpoint on, so the next job has one to resume.
+        first = 1 if latest is None and remaining > 1 else 0
+        kill = {"rank": rng.randrange(RANKS), "checkpoint": rng.randrange(first, remaining), "delay": rng.uniform(0.0, 0.6)}
         job = launch(WORKER, [str(run_dir), str(reference), str(TOTAL), str(EVERY)], roots=roots,
                      result_dir=tmp_path / f"results-{trial}", timeout=JOB_TIMEOUT,
                      env={"SAFESTAGE_TEST_KILL": f'{{"rank": {kill["rank"]}, "checkpoint": {kill["checkpoint"]}, '
