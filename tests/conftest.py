@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +60,22 @@ def pytest_configure(config: pytest.Config) -> None:
 def suite_settings() -> dict[str, str]:
     """The suite's own SAFESTAGE_* knobs from the caller's environment (SUITE_VARIABLES)."""
     return dict(_suite_settings)
+
+
+@pytest.fixture(scope="session")
+def safestage_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This tree built as a wheel, once per session: the packaging, start-up hook and
+    safetensors-release tests all install the same one (a build takes ~10 s)."""
+    out = tmp_path_factory.mktemp("wheel")
+    project = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SAFESTAGE", "PYTHON"))}
+    build = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", str(out), str(project)],
+        env=env, cwd=out, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    (wheel,) = out.glob(f"safestage-{safestage.__version__}-*.whl")
+    return wheel
 
 
 @pytest.fixture(autouse=True)

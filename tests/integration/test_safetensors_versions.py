@@ -1,9 +1,12 @@
 """safestage against the newest release of every safetensors minor from 0.4 to 0.8.
 
 0.8.0 runs in the dev venv; each older release gets a side venv cached under
-<project>/.venv-matrix/<version> (safetensors==<version>, the pinned torch/wrapt/numpy of
-.ci/constraints.txt, packaging). safestage itself is built as a wheel from this tree once per
-session and reinstalled into each side venv on every run, so the cache never tests stale code.
+<project>/.venv-matrix/<version> holding safetensors==<version> and packaging; torch, wrapt and
+numpy (the pinned versions of .ci/constraints.txt) come from the dev venv through a path entry
+placed after the side venv's own site-packages, so that a fresh clone installs no torch per
+release (four torch installs took most of this file's time). safestage itself is built as a
+wheel from this tree once per session and reinstalled into each side venv on every run, so
+the cache never tests stale code.
 The parent test mounts the kit (the side venvs have no mfusepy) and runs _versions_smoke.py in
 the side interpreter.
 
@@ -23,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,32 +41,28 @@ OLDER = ["0.7.0", "0.6.2", "0.5.3", "0.4.5"]
 MAIN = "0.8.0"  # the dev venv's, pinned in .ci/constraints.txt
 MATRIX = PROJECT / ".venv-matrix"
 # safetensors < 0.8 imports packaging (0.6, 0.7) and numpy (0.4, 0.5) without requiring them.
+# torch, wrapt and numpy are borrowed from the dev venv (its purelib as a path entry: the pinned
+# versions, asserted below); packaging is installed in the side venv.
 BORROWED_PINS = ("torch", "wrapt", "numpy")
 EXTRA_PINS = {"packaging": ".ci/constraints-clients.txt"}
+DEV_PURELIB = sysconfig.get_paths()["purelib"]
+BORROWED = "aa_dev_venv.pth"  # torch, wrapt, numpy of the dev venv; its own .pth files are not run
+
+
+def _read_pins(path: str) -> dict[str, str]:
+    lines = (PROJECT / path).read_text().splitlines()
+    return {x.split("==")[0].strip().lower(): x.strip() for x in lines if "==" in x and not x.startswith("#")}
 
 
 def pins() -> list[str]:
-    def read(path: str) -> dict[str, str]:
-        lines = (PROJECT / path).read_text().splitlines()
-        return {x.split("==")[0].strip().lower(): x.strip() for x in lines if "==" in x and not x.startswith("#")}
-
-    main = read(".ci/constraints.txt")
-    wanted = [main[name] for name in BORROWED_PINS]
-    wanted += [read(path)[name] for name, path in EXTRA_PINS.items()]
-    assert read(".ci/constraints.txt")["safetensors"] == f"safetensors=={MAIN}"
-    return wanted
+    """What the side venv installs itself: safetensors' undeclared packaging."""
+    assert _read_pins(".ci/constraints.txt")["safetensors"] == f"safetensors=={MAIN}"
+    return [_read_pins(path)[name] for name, path in EXTRA_PINS.items()]
 
 
-@pytest.fixture(scope="session")
-def safestage_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    build = subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", str(out), str(PROJECT)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
-    (wheel,) = out.glob("safestage-*.whl")
-    return wheel
+def borrowed_pins() -> list[str]:
+    main = _read_pins(".ci/constraints.txt")
+    return [main[name] for name in BORROWED_PINS]
 
 
 def run(step: list[str]) -> None:
@@ -78,7 +78,7 @@ def side_python(version: str, wheel: Path) -> Iterator[Path]:
     venv = MATRIX / version
     python = venv / "bin" / "python"
     requirements = [f"safetensors=={version}", *pins()]
-    recipe = hashlib.sha256("\n".join([sys.version, *requirements]).encode()).hexdigest()
+    recipe = hashlib.sha256("\n".join([sys.version, *requirements, DEV_PURELIB]).encode()).hexdigest()
     MATRIX.mkdir(exist_ok=True)
     with open(MATRIX / f".{version}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -86,14 +86,24 @@ def side_python(version: str, wheel: Path) -> Iterator[Path]:
         pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         if not (python.exists() and stamp.exists() and stamp.read_text() == recipe):
             run([sys.executable, "-m", "venv", "--clear", str(venv)])
-            run([*pip, *requirements])
+            run([*pip, "--no-deps", *requirements])
+            purelib = subprocess.check_output(
+                [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True, timeout=120
+            ).strip()
+            (Path(purelib) / BORROWED).write_text(DEV_PURELIB + "\n")
             stamp.write_text(recipe)
         run([*pip, "--no-deps", "--force-reinstall", str(wheel)])
         check = subprocess.run(
-            [str(python), "-c", "import safetensors, torch, safestage; print(safetensors.__version__, torch.__version__)"],
-            capture_output=True, text=True, timeout=300,
-        )
-        assert check.stdout.split() == [version, "2.13.0+cpu"], check.stdout + check.stderr
+            [str(python), "-c", "import numpy, safetensors, torch, wrapt, safestage; "
+             "print(safetensors.__version__, safetensors.__file__, safestage.__file__, "
+             "f'torch=={torch.__version__}', f'wrapt=={wrapt.__version__}', f'numpy=={numpy.__version__}')"],
+            env=clean_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        got = check.stdout.split()
+        assert len(got) == 6, check.stdout + check.stderr
+        # the release under test and the wheel come from the side venv, not the dev venv's
+        assert got[0] == version and got[1].startswith(str(venv)), got
+        assert got[3:] == [pin.replace("torch==2.13.0", "torch==2.13.0+cpu") for pin in borrowed_pins()], got
         yield python
 
 
