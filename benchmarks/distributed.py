@@ -45,6 +45,7 @@ import datetime as _dt
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -373,6 +374,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "staged_writer": missing or "available",
         "load_average_at_start": os.getloadavg(),
     }
+    # A SIGTERM (a shared machine's clean-up) unwinds through the finally: mounts unmounted.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     base = Path(tempfile.mkdtemp(prefix="safestage-distbench-", dir="/dev/shm"))
     started = time.monotonic()
     try:
