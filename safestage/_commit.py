@@ -15,7 +15,7 @@ looks complete and is not, and no destination we serve can fix that with a direc
    file vouching for a mix of old and new files, and the temp files killed commits left
    there (subdirectories too) go;
 3. every file is published by ``_publish.publish_file`` (rename / replace / direct, size
-   verified, modes as for every save), ``background`` files at once (default 2), its CRC-32
+   verified, modes as for every save), two files at once, its CRC-32
    computed while it is copied;
 4. the commit file (``_manifest``) is published last, atomically where the destination can
    rename (replace), direct where it cannot (an object store shows it only once complete).
@@ -167,16 +167,20 @@ class StagedDir:
         assert private is not None and local is not None, "__exit__ without __enter__"
         self._state = "closed"
         _patch.remove_unstaged_dir(local)
-        if self._group is not None:
-            from ._group_commit import leave
+        try:
+            if self._group is not None:
+                from ._group_commit import leave
 
-            leave(self, exc)
-            return
-        if exc is not None:  # nothing is published; the block's exception propagates
-            with deferred():
-                _discard(private, local)
-            return
-        self._commit(private, local)
+                leave(self, exc)
+                return
+            if exc is not None:  # nothing is published; the block's exception propagates
+                with deferred():
+                    _discard(private, local)
+                return
+            self._commit(private, local)
+        except BaseException as failed:
+            self._error = self._error or failed  # wait() raises it too
+            raise
 
     def __repr__(self) -> str:
         return f"<safestage.StagedDir {self._state} dest={str(self.dest or self._dest_argument)!r}>"
@@ -453,6 +457,20 @@ def after_fork_in_child() -> None:  # registered by _lifecycle
     _started_lock = threading.Lock()
 
 
+def _commits_in_flight(background: object) -> int:
+    """staged_dir's ``background``: False (or 0) synchronous, True one commit in flight, N at
+    most N (its own meaning: not files at once, and never from SAFESTAGE_BACKGROUND)."""
+    if isinstance(background, bool):
+        return int(background)
+    if isinstance(background, int) and 0 <= background <= _config.MAX_BACKGROUND:
+        return background
+    raise ConfigError(
+        f"safestage.staged_dir: background={background!r} is not a boolean or a whole number from 0 to "
+        f"{_config.MAX_BACKGROUND}: use False (commit before the block's end returns), True (one "
+        "commit in the background at a time) or N (at most N)"
+    )
+
+
 def _write_new_file(path: Path, payload: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -587,9 +605,7 @@ def staged_dir(
     # Two files publishing at once (benchmarks/README.md); not from SAFESTAGE_BACKGROUND, which
     # is for the saves staging intercepts, as is the choice of a background commit.
     settings = _config.resolve(root=root, publish=publish, fsync=fsync, background=BACKGROUND_ON)
-    in_flight = _config.parse_background(background, "the background argument")
-    if in_flight and background is True:
-        in_flight = 1
+    in_flight = _commits_in_flight(background)
     if group is not None and in_flight > 1:
         raise ConfigError(
             f"safestage.staged_dir(group=..., background={background!r}): a collective commit runs "
