@@ -111,6 +111,8 @@ def test_a_rank_killed_at_any_moment_of_a_checkpoint_never_leaves_a_wrong_latest
         for checkpoint in sorted(run_dir.glob("checkpoint-*")):  # not only the newest
             if safestage.verify(checkpoint, deep=True).complete and not _state_matches(checkpoint, reference):
                 wrong.append(f"{where}: {checkpoint} is complete with files of another state")
+        print(f"{where}: killed={kill['rank'] not in job.reports} wrong_so_far={len(wrong)} "
+              f"latest={latest.name if latest else None}", flush=True)  # a long run's record, job by job
         if latest is not None and latest.name == f"checkpoint-{TOTAL}":
             chains[mode] += 1  # this run is over: the next trial on this mount starts a new one
     print(f"{trials} jobs, {fired} kills during a checkpoint, {len(wrong)} wrong answers, {resumed} ranks resumed equal, "
