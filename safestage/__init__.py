@@ -67,7 +67,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "COMMIT_NAME",
