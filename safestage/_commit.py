@@ -437,12 +437,12 @@ def _raise_failed_commits() -> None:
         for stage in finished:
             _started.remove(stage)
     for stage in finished:
-        with contextlib.suppress(BaseException):
-            _background.wait(stage, finished_only=True)  # observed: exit does not report it
-        if stage._error is not None:
-            if hasattr(stage._error, "add_note"):
-                stage._error.add_note(f"safestage: raised here, at the next staged_dir: the background commit of {stage.dest} failed")
-            raise stage._error
+        try:  # raises the error only if nobody has seen it yet (safestage.wait(), say)
+            _background.wait(stage, finished_only=True)
+        except BaseException as error:
+            if hasattr(error, "add_note"):
+                error.add_note(f"safestage: raised here, at the next staged_dir: the background commit of {stage.dest} failed")
+            raise
 
 
 def _forget_started(stage: StagedDir) -> None:

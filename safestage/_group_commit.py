@@ -410,7 +410,8 @@ def _lost_error(
 def _describe(exc: Optional[BaseException]) -> str:
     if exc is None:
         return ""
-    return f"{type(exc).__name__}: {exc}"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _where() -> tuple[str, int]:

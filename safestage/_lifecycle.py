@@ -39,6 +39,8 @@ AFTER_FORK_IN_CHILD: tuple[tuple[str, str], ...] = (
     # Per-process state: the checked staging roots and the saves in progress, the parent's
     # publisher and its futures, the activation stack.
     ("safestage._save", "after_fork_in_child"),
+    # The parent's save directories' locks: closed here, so only the parent holds them.
+    ("safestage._stage", "after_fork_in_child"),
     ("safestage._background", "after_fork_in_child"),
     ("safestage._commit", "after_fork_in_child"),
     ("safestage._inflight", "after_fork_in_child"),

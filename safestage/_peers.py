@@ -61,6 +61,15 @@ class Peers:
         self.rank: int = dist.get_rank()
         if self.rank not in self.ranks:
             raise ConfigError(f"safestage.staged_dir: rank {self.rank} is not in the group it was given")
+        if len(self.ranks) != dist.get_world_size():
+            # torch names a group made by its members alone (use_local_synchronization) from
+            # the ranks and how many groups each member already has: members of different
+            # other groups disagree and never connect. Until that is solved, the world only.
+            raise ConfigError(
+                f"safestage.staged_dir(group=...): the group has ranks {list(self.ranks)}, not every "
+                f"rank of the job ({dist.get_world_size()}): a collective commit runs over the whole "
+                "world (group=torch.distributed.group.WORLD), every rank writing its own files"
+            )
         self.index = self.ranks.index(self.rank)
         self.coordinator = self.ranks[0]
         self.timeout = float(timeout)
@@ -107,12 +116,8 @@ def _own_group(dist: Any, group: Any, ranks: tuple[int, ...], timeout: float) ->
         existing = _groups.get(key)
     if existing is not None:
         return existing
-    options: dict[str, Any] = {"backend": "gloo", "timeout": datetime.timedelta(seconds=timeout)}
-    if len(ranks) != dist.get_world_size():
-        # Only the members call new_group (torch >= 2.1); for the whole world, every rank does.
-        options["use_local_synchronization"] = True
-    try:
-        made = dist.new_group(list(ranks), **options)
+    try:  # every rank of the job calls it, in the same order (Peers allows the world only)
+        made = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     except (RuntimeError, ValueError, TypeError) as exc:
         raise PeerLost(f"could not make safestage's gloo group over ranks {list(ranks)}: {exc}") from exc
     with _lock:

