@@ -28,6 +28,12 @@ hands each rank a local directory to write into, and the Trainer writes ``checkp
 under DDP rank 0 writes all but the other ranks' RNG files, so digests gathered from the ranks
 would spare it little of the read-back (docs/integrations.md, "Many ranks and many nodes").
 
+``CommitCallback(keep=N)`` prunes ``output_dir`` after each commit has landed (safestage's
+retention, which counts only complete checkpoints), in place of the Trainer's
+``save_total_limit``, which rotates before the commit (Megatron-Bridge#5184).
+``CommitCallback(background=True)`` commits on a safestage thread while training goes on, one
+at a time, waited for before the Trainer writes the next checkpoint (docs/integrations.md).
+
 What it holds is glue only: when to commit (the Trainer's events, the barrier) and where
 (``checkpoint-<global_step>`` under ``output_dir``). Reading back and committing are the core's.
 transformers is imported when this module is.
