@@ -119,6 +119,9 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
     # -- the Trainer's events -------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from . import _background
+
+        _background.adopt(self)  # also when made in another process (unpickled, forked)
         if args.should_save and args.save_total_limit is not None and args.save_total_limit > 0:
             self._warn_rotation(args.save_total_limit)
         if state.global_step > 0 and args.should_save:
