@@ -49,6 +49,7 @@ import fnmatch
 import logging
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -86,14 +87,16 @@ class Retention:
     keep: int
     pattern: str
 
-    def after_commit(self, dest: Path, staging_root: Optional[Path]) -> list[Path]:
+    def after_commit(
+        self, dest: Path, staging_root: Optional[Path], *, spare: Optional[Mapping[Path, str]] = None
+    ) -> list[Path]:
         """Prune ``dest.parent`` once ``dest``'s commit file has landed. Never raises (but a
         KeyboardInterrupt): the checkpoint is complete, and a cleanup that could not be done must not
         make a landed commit look failed (nor, for a background commit, fail the next save).
-        It is logged as a WARNING naming what stays and what to run."""
+        It is logged as a WARNING naming what stays and what to run. ``spare``: see ``plan``."""
         try:
             decisions = plan(dest.parent, self.keep, self.pattern,
-                             roots=known_roots(staging_root), protect=dest)  # fmt: skip
+                             roots=known_roots(staging_root), protect=dest, spare=spare)  # fmt: skip
             return apply(decisions)
         except Exception as exc:  # not only OSError: nothing here may fail a landed commit
             log.warning(
@@ -276,10 +279,13 @@ def plan(
     *,
     roots: list[Path],
     protect: Optional[Path] = None,
+    spare: Optional[Mapping[Path, str]] = None,
 ) -> list[Decision]:
     """What a prune of ``parent`` does with each checkpoint matching ``pattern``, newest first.
     Reads only: the listing, each commit file, the files of committed candidates. ``protect``:
-    never remove it (the checkpoint ``staged_dir(keep=)`` has just committed)."""
+    never remove it (the checkpoint ``staged_dir(keep=)`` has just committed). ``spare``:
+    never remove these either (kernel paths), each for the reason given (the Trainer's
+    ``best_model_checkpoint``, which its ``load_best_model_at_end`` loads)."""
     base = as_path(parent)
     try:
         listing = os.listdir(base)
@@ -326,6 +332,8 @@ def plan(
             why_not = "a symlink: prune removes neither it nor what it points to"
         elif protect is not None and kernel_base / c.name == protect:
             why_not = "just committed"
+        elif spare and kernel_base / c.name in spare:
+            why_not = spare[kernel_base / c.name]
         else:
             if claims is None:  # only when something is to go: the roots are read once
                 claims = {**_staging_claims(roots), **busy_destinations()}

@@ -28,6 +28,12 @@ hands each rank a local directory to write into, and the Trainer writes ``checkp
 under DDP rank 0 writes all but the other ranks' RNG files, so digests gathered from the ranks
 would spare it little of the read-back (docs/integrations.md, "Many ranks and many nodes").
 
+``CommitCallback(keep=N)`` prunes ``output_dir`` after each commit has landed (safestage's
+retention, which counts only complete checkpoints), in place of the Trainer's
+``save_total_limit``, which rotates before the commit (Megatron-Bridge#5184).
+``CommitCallback(background=True)`` commits on a safestage thread while training goes on, one
+at a time, waited for before the Trainer writes the next checkpoint (docs/integrations.md).
+
 What it holds is glue only: when to commit (the Trainer's events, the barrier) and where
 (``checkpoint-<global_step>`` under ``output_dir``). Reading back and committing are the core's.
 transformers is imported when this module is.
@@ -36,6 +42,7 @@ transformers is imported when this module is.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import time
 from pathlib import Path
@@ -44,8 +51,9 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from ._config import PathArg, Publish
-from ._errors import PublishError
+from ._errors import ConfigError, PublishError
 from ._manifest import Manifest
+from ._paths import real_directory
 
 __all__ = ["CommitCallback"]
 
@@ -66,6 +74,18 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
     Trainer's own write had failed. So does a failed background publish, except one of a file
     of a checkpoint the Trainer's rotation deleted (a WARNING, its staged copy removed); a
     checkpoint without ``trainer_state.json`` is never committed.
+
+    ``keep=N``: after each commit has landed, the process that committed prunes ``output_dir``
+    as ``safestage.prune(output_dir, keep=N, pattern="checkpoint-*")`` does (the N newest
+    complete checkpoints stay, a save in progress is never touched), sparing the Trainer's
+    ``best_model_checkpoint``; a prune that fails is a WARNING, never a failed commit. Use it
+    instead of the Trainer's ``save_total_limit``, which rotates before the new checkpoint is
+    committed (a WARNING at ``on_train_begin`` says so).
+
+    ``background=True``: ``on_save`` hands the read-back and the commit to a safestage thread
+    and returns; training goes on. One at a time: before the Trainer writes the next
+    checkpoint (and at the next ``on_save``, at ``on_train_end``) the callback waits for it,
+    and raises its PublishError there if it failed (as ``safestage.wait()`` and exit do).
     """
 
     def __init__(
@@ -74,24 +94,36 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         *,
         publish: Optional[Publish] = None,
         fsync: bool = True,
+        keep: Optional[int] = None,
+        background: bool = False,
     ) -> None:
-        from . import _config
+        from . import _background, _config, _prune
 
         _config.resolve(root=root, publish=publish, fsync=fsync)  # ConfigError now, not at step N
+        if not isinstance(background, bool):
+            raise ConfigError(
+                f"safestage.transformers.CommitCallback: background={background!r}: expected True "
+                "(commit on a safestage thread, one at a time) or False"
+            )
         self._root = root
         self._publish = publish
         self._fsync = fsync
+        self._background = background
+        self._retention = (
+            None if keep is None
+            else _prune.Retention(_prune.check_keep(keep, "safestage.transformers.CommitCallback"), f"{_PREFIX}-*")
+        )  # fmt: skip
         self.committed: list[tuple[Path, Manifest, float]] = []
+        _background.adopt(self)  # its commits may run in the background in this process only
 
     # -- the Trainer's events -------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if args.should_save and args.save_total_limit == 1:
-            log.warning(
-                "save_total_limit=1 deletes the previous checkpoint before the new "
-                "one is committed (the Trainer rotates before on_save): a job killed then "
-                "leaves no complete checkpoint. Use save_total_limit >= 2."
-            )
+        from . import _background
+
+        _background.adopt(self)  # also when made in another process (unpickled, forked)
+        if args.should_save and args.save_total_limit is not None and args.save_total_limit > 0:
+            self._warn_rotation(args.save_total_limit)
         if state.global_step > 0 and args.should_save:
             resumed = self._checkpoint(args, state)
             from ._verify import verify
@@ -111,11 +143,17 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         if control.should_save:
             self._before_save(args, state)
 
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # save_strategy="best" decides to save after evaluating, past on_step_end: the previous
+        # background commit lands before the Trainer writes and rotates (_wait_for_commit).
+        if args.save_strategy == "best":
+            self._wait_for_commit("before the Trainer saves again")
+
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         from . import _background
-        from ._in_place import commit_in_place
 
         checkpoint = self._checkpoint(args, state)
+        self._wait_for_commit("at the next on_save")  # landed before the next one, or raised
         # This rank's background publishes (SAFESTAGE_BACKGROUND) have landed or failed; a
         # failure is raised unless it is a file of a checkpoint the rotation deleted.
         _raise_unless_rotated(_background.failures(), checkpoint)
@@ -139,23 +177,87 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
                 checkpoint, ", ".join(sorted(p.name for p in checkpoint.iterdir())) or "nothing",
             )  # fmt: skip
             return
-        started = time.perf_counter()
-        manifest = commit_in_place(checkpoint, self._root, publish=self._publish, fsync=self._fsync)
-        seconds = time.perf_counter() - started
-        self.committed.append((checkpoint, manifest, seconds))
-        log.info(
-            "%s: committed (%d files, %d bytes) in %.3fs",
-            checkpoint, len(manifest.files), manifest.total_bytes, seconds,
-        )  # fmt: skip
+        spare = self._best(state)
+        if self._background and _background.may_defer(self):
+            # The Trainer has written every file (the barrier above): reading them back and
+            # writing the commit file go on on a safestage thread while training goes on. One
+            # at a time: the next save waits for it first (_before_save, on_save).
+            _background.publisher().submit(
+                functools.partial(self._commit, checkpoint, spare), real_directory(checkpoint) or checkpoint,
+                max_pending=1, owner=self, kind="commit", not_started=lambda exc: None,
+            )  # fmt: skip
+            return
+        self._commit(checkpoint, spare)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._wait_for_commit("at the end of training")  # the last checkpoint has landed, or raised
 
     # -- glue -----------------------------------------------------------------------------------
 
     def _checkpoint(self, args: Any, state: Any) -> Path:
         return Path(args.output_dir) / f"{_PREFIX}-{state.global_step}"
 
+    def _commit(self, checkpoint: Path, spare: dict[Path, str]) -> None:
+        """Commit ``checkpoint`` in place, then (keep=N) prune its siblings: on the Trainer's
+        thread, or on a safestage thread (background=True)."""
+        from . import _inflight
+        from ._in_place import commit_in_place
+
+        dest = real_directory(checkpoint) or checkpoint
+        started = time.perf_counter()
+        with _inflight.committing(dest):  # a prune of this process never removes it meanwhile
+            manifest = commit_in_place(checkpoint, self._root, publish=self._publish, fsync=self._fsync)
+        seconds = time.perf_counter() - started
+        self.committed.append((checkpoint, manifest, seconds))
+        log.info(
+            "%s: committed (%d files, %d bytes) in %.3fs",
+            checkpoint, len(manifest.files), manifest.total_bytes, seconds,
+        )  # fmt: skip
+        if self._retention is not None:  # only now that its commit file has landed; never raises
+            self._retention.after_commit(dest, Path(self._root) if self._root is not None else None, spare=spare)
+
+    def _best(self, state: Any) -> dict[Path, str]:
+        """The Trainer's best checkpoint (``load_best_model_at_end`` loads it at the end, and the
+        Trainer's own rotation spares it): keep= never removes it either."""
+        best = getattr(state, "best_model_checkpoint", None)
+        if not best:
+            return {}
+        path = real_directory(best)
+        return {} if path is None else {path: "the Trainer's best_model_checkpoint (load_best_model_at_end loads it)"}
+
+    def _wait_for_commit(self, where: str) -> None:
+        """Wait for this callback's background commit, if one is in flight; raise its error."""
+        from . import _background
+
+        try:
+            _background.wait(self)
+        except BaseException as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"safestage: raised {where}: the background commit of a checkpoint failed")
+            raise
+
+    def _warn_rotation(self, limit: int) -> None:
+        if limit == 1:
+            what = ("save_total_limit=1 deletes the previous checkpoint before the new one is committed: "
+                    "a job killed then leaves no complete checkpoint")  # fmt: skip
+        else:
+            what = (f"save_total_limit={limit} counts checkpoint-* directories whether committed or not, "
+                    "so it can delete the newest complete checkpoint while a newer one is still being "
+                    "written or committed (Megatron-Bridge#5184)")  # fmt: skip
+        keep = "" if self._retention is None else f" (keep={self._retention.keep} is set: both rotate)"
+        log.warning(
+            "%s: the Trainer rotates before on_save, before the checkpoint it has just written is "
+            "committed%s. Use save_total_limit=None and CommitCallback(keep=%d): safestage prunes "
+            "after each commit has landed and counts only complete checkpoints",
+            what, keep, limit if self._retention is None else self._retention.keep,
+        )  # fmt: skip
+
     def _before_save(self, args: Any, state: Any) -> None:
         """The Trainer is about to write ``checkpoint-<step>``: a commit file already there
         (this step was committed by an earlier run) goes first, then every rank may write."""
+        # The previous background commit lands first: the Trainer's writes, its rotation and
+        # the removal below must not run under its read-back or its prune.
+        self._wait_for_commit("before the Trainer saves again")
         if args.should_save:
             from ._commit import invalidate
 

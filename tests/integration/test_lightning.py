@@ -555,6 +555,40 @@ def test_top_k_removal_is_in_order_in_background_and_lightnings_under_async_chec
     assert os.listdir(root) == []
 
 
+@pytest.mark.mounts
+def test_in_background_mode_the_new_checkpoint_is_kept_locally_while_the_one_it_replaces_is_removed(tmp_path):
+    """ModelCheckpoint saves the new checkpoint, then removes the one it replaces; with
+    background=True that removal waits for the removed one's publish only, so for a moment the
+    destination holds neither (docs/integrations.md, "Retention in background mode"). What
+    protects the new one meanwhile: its complete copy in the staging root, published by teardown."""
+    from safestage import _background
+    from safestage.lightning import StagedCheckpointIO
+    from safestage.testing import hostile_mount
+
+    root = tmp_path / "root"
+    root.mkdir()
+    checkpoint = {"w": torch.arange(4 * 1024 * 1024, dtype=torch.float32)}  # 16 MiB: ~0.8 s at 20 MB/s
+    with hostile_mount("slow", mbps=20) as mount:
+        directory = Path(mount.path) / "ckpts"
+        directory.mkdir()
+        plugin = StagedCheckpointIO(root, background=1)
+        plugin.save_checkpoint(checkpoint, directory / "epoch=0.ckpt")
+        plugin.save_checkpoint(checkpoint, directory / "epoch=1.ckpt")  # waits for epoch=0's publish
+        plugin.remove_checkpoint(directory / "epoch=0.ckpt")  # ModelCheckpoint's top-k order
+        listing = sorted(os.listdir(directory))
+        pending = _background.publisher().pending_copies()
+        try:
+            assert "epoch=0.ckpt" not in listing and "epoch=1.ckpt" not in listing, listing
+            assert [dest.name for dest, _ in pending] == ["epoch=1.ckpt"], pending
+            kept = pending[0][1]
+            assert kept is not None and kept.is_relative_to(root) and kept.stat().st_size > 16 * 1024 * 1024
+        finally:
+            plugin.teardown()
+        assert sorted(os.listdir(directory)) == ["epoch=1.ckpt"]
+        assert torch.equal(torch.load(directory / "epoch=1.ckpt", weights_only=True)["w"], checkpoint["w"])
+    assert os.listdir(root) == []
+
+
 @pytest.mark.regression("0.1 hostile review 2: lightning background save then load loads the new checkpoint")
 def test_lightning_background_save_then_load_loads_the_new_checkpoint(
     kit_mounts: dict[str, Any], stage_root: Path
