@@ -155,10 +155,16 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         return result
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove a checkpoint, after its pending background publish. One whose save is
+        """Remove a checkpoint, once this plugin's pending background publishes (the newer
+        checkpoints) have landed and after its own pending publish. One whose save is
         running in another thread (AsyncCheckpointIO's) is removed by that thread once it is
         published; one still queued there is not seen, and stays (Lightning's order). A
         failed publish is raised by teardown or the next save."""
+        # ModelCheckpoint removes the checkpoint a new one replaces right after saving the new
+        # one: never before the new one has landed (Megatron-Bridge#5184, for one file), and
+        # not at all if it failed (raised here, the old one stays).
+        _background.settle(owner=self)
+        _background.wait(self, finished_only=True)
         local = _local_path(path)
         if local is None:
             self.checkpoint_io.remove_checkpoint(path)
