@@ -514,7 +514,7 @@ def bench_mount(
               "local_runs": local_runs[fmt], "copy_runs": copy_runs[fmt], "bytes": sizes[fmt]}
         for fmt in local_runs
     }  # fmt: skip
-    for way, result in out["ways"].items():
+    for result in out["ways"].values():
         fmt = result["format"]
         local = out["baseline"][fmt]["local_s"]["median"]
         copy = out["baseline"][fmt]["copy_s"]["median"]
