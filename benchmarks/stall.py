@@ -1,7 +1,7 @@
 """The stall benchmark (issue 20): how long a training loop is blocked by each checkpoint, and
 how long until ``latest_complete`` returns it, for each way of saving a ~1 GiB state.
 
-    PYTHONPATH=. /work/main/.venv/bin/python benchmarks/stall.py            # ~10 min on 2 shared cores
+    PYTHONPATH=. /work/main/.venv/bin/python benchmarks/stall.py            # 9-13 min on 2 shared cores
     PYTHONPATH=. /work/main/.venv/bin/python benchmarks/stall.py --quick    # smoke run, ~2 min
 
 Writes benchmarks/results/<date>-stall.{json,md} (``-quick`` appended for a smoke run) and, for
