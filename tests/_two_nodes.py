@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,9 @@ def launch(
 ) -> Job:
     """Run ``script args`` on 2 x ``nproc_per_node`` ranks: two torchrun launches with
     ``--nnodes 2`` on 127.0.0.1, node ``i`` staging under ``roots[i]``. Waits at most
-    ``timeout`` seconds, then kills both launches (their process groups) and says so."""
+    ``timeout`` seconds, then kills both launches (their process groups) and says so
+    (``timed_out``); once every rank has reported or its node's launch has ended, an agent
+    still waiting in torchrun's exit barrier is stopped after 5 s (not a hang of a rank)."""
     result_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -77,23 +80,46 @@ def launch(
             text=True, start_new_session=True,
         )  # fmt: skip
         procs.append(proc)
+    # Each launch's output, read on threads (a full pipe would stall the agent).
     outputs: list[str] = ["", ""]
-    timed_out = False
-    for index, proc in enumerate(procs):
-        remaining = max(0.1, timeout - (time.monotonic() - started))
-        try:
-            outputs[index], _ = proc.communicate(timeout=remaining)
-        except subprocess.TimeoutExpired:
+    readers = [threading.Thread(target=_drain, args=(proc, outputs, index), daemon=True) for index, proc in enumerate(procs)]
+    for reader in readers:
+        reader.start()
+    timed_out, settled_at = False, None
+    while any(proc.poll() is None for proc in procs):
+        now = time.monotonic()
+        if now - started > timeout:
             timed_out = True
-            for other in procs:
-                if other.poll() is None:
-                    os.killpg(other.pid, signal.SIGKILL)
-            outputs[index], _ = proc.communicate()
+            break
+        # A node is settled once its agent is gone or all its ranks reported. torchrun's agent
+        # whose workers succeeded waits in its exit barrier for the other node's agent, which
+        # is gone if one of its ranks was killed: that wait is the launcher's, not a rank's.
+        settled = all(
+            proc.poll() is not None
+            or all((result_dir / f"rank-{node * nproc_per_node + local}.json").exists() for local in range(nproc_per_node))
+            for node, proc in enumerate(procs)
+        )  # fmt: skip
+        if settled:
+            settled_at = settled_at or now
+            if now - settled_at > 5.0:
+                break
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for reader in readers:
+        reader.join(timeout=10)
     job = Job([proc.returncode for proc in procs], outputs, timed_out=timed_out)
     job.seconds = time.monotonic() - started
     for path in result_dir.glob("rank-*.json"):
         job.reports[int(path.stem.split("-")[1])] = json.loads(path.read_text())
     return job
+
+
+def _drain(proc: subprocess.Popen[str], outputs: list[str], index: int) -> None:
+    assert proc.stdout is not None
+    outputs[index] = proc.stdout.read()
 
 
 def report(**fields: Any) -> None:
