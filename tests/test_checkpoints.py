@@ -956,19 +956,30 @@ def test_keyboard_interrupt_at_random_moments_of_a_commit(kit_mounts: dict[str, 
     expected = write_checkpoint(source, 3, numel=512 * 1024)  # ~3 MiB: ~10 ms at 400 MB/s
     rng = random.Random(11)
 
+    block_end: list[float] = []
+
     def commit(dest: Path) -> None:
         with safestage.staged_dir(dest, stage_root) as local:
             shutil.copytree(source, local, dirs_exist_ok=True)
+            block_end.append(time.perf_counter())
 
     started = time.perf_counter()
     commit(parent / "calibration")
-    duration = time.perf_counter() - started
+    duration, block = time.perf_counter() - started, block_end[-1] - started
     outcomes = {"in-block": 0, "during-commit": 0, "after-commit": 0}
-    for trial in range(30):
+    # 30 trials spread over the whole commit, then (a loaded machine stretches one phase) up to
+    # 30 more aimed at a phase not yet hit: the block, or the commit after it.
+    for trial in range(60):
+        if trial < 30:
+            delay = rng.uniform(0, duration * 1.2)
+        elif outcomes["in-block"] < 1:
+            delay = rng.uniform(0, block * 0.8)
+        elif outcomes["during-commit"] < 3:
+            delay = rng.uniform(block, duration)
+        else:
+            break
         dest = parent / f"checkpoint-{trial}"
-        timer = threading.Timer(
-            rng.uniform(0, duration * 1.2), signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
-        )
+        timer = threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
         try:
             timer.start()  # inside: a signal may land before start() returns
             commit(dest)
