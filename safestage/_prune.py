@@ -63,7 +63,7 @@ from ._manifest import COMMIT_NAME
 from ._names import DISPOSABLE_MARKER, parse_stage_dir
 from ._paths import real_directory
 from ._publish import fsync_directory
-from ._verify import _text, as_path, check, read_commit, step_of
+from ._verify import _text, as_path, check, list_run_directory, read_commit, step_of
 
 log = logging.getLogger("safestage")
 
@@ -287,15 +287,7 @@ def plan(
     never remove these either (kernel paths), each for the reason given (the Trainer's
     ``best_model_checkpoint``, which its ``load_best_model_at_end`` loads)."""
     base = as_path(parent)
-    try:
-        listing = os.listdir(base)
-    except OSError as exc:
-        raise type(exc)(
-            exc.errno,
-            f"cannot list the checkpoints in {base}: {_text(exc)}: check that it is the run "
-            "directory, that it is mounted and that this user may read it",
-            str(base),
-        ) from exc
+    listing = list_run_directory(base)
     kernel_base = real_directory(base) or base
     candidates = []
     for name in sorted((n for n in listing if fnmatch.fnmatchcase(n, pattern)), key=lambda n: (step_of(n), n), reverse=True):

@@ -136,13 +136,11 @@ def latest_complete(
     return found
 
 
-def find_latest(
-    parent: PathArg, pattern: str = "checkpoint-*", *, deep: bool = False
-) -> tuple[Optional[Path], list[tuple[Path, str]]]:
-    """``latest_complete`` and the newer candidates it skipped as unreadable, with why."""
-    base = as_path(parent)
+def list_run_directory(base: Path) -> list[str]:
+    """The names in the run directory ``base``; an OSError that says what to check (a
+    mistyped, unmounted or unreadable run directory must not look like one with no checkpoint)."""
     try:
-        listing = os.listdir(base)
+        return os.listdir(base)
     except OSError as exc:
         raise type(exc)(
             exc.errno,
@@ -150,6 +148,14 @@ def find_latest(
             "directory, that it is mounted and that this user may read it",
             str(base),
         ) from exc
+
+
+def find_latest(
+    parent: PathArg, pattern: str = "checkpoint-*", *, deep: bool = False
+) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+    """``latest_complete`` and the newer candidates it skipped as unreadable, with why."""
+    base = as_path(parent)
+    listing = list_run_directory(base)
     names = [name for name in listing if fnmatch.fnmatchcase(name, pattern)]
     names.sort(key=step_of, reverse=True)
     skipped: list[tuple[Path, str]] = []
