@@ -89,7 +89,9 @@ def main() -> None:
             if kill is not None and kill["rank"] == rank and kill["checkpoint"] == checkpoints:
                 threading.Thread(target=_die_after, args=(kill["delay"],), daemon=True).start()
             started, phase = time.monotonic(), "checkpoint"
-            with safestage.staged_dir(run_dir / f"checkpoint-{step}", group=dist.group.WORLD) as local:
+            # timeout: a rank killed while the first commit makes safestage's gloo group is seen
+            # only after it (docs/distributed.md); every other death at once.
+            with safestage.staged_dir(run_dir / f"checkpoint-{step}", group=dist.group.WORLD, timeout=60) as local:
                 if rank == 0:  # with its step, so that a reader can tell the steps apart exactly
                     save_file({**model.state_dict(), "_step": torch.tensor([step])}, str(local / "model.safetensors"))
                 save_file(shard_of(step, rank), str(local / f"shard-rank{rank}.safetensors"))
