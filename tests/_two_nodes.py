@@ -57,7 +57,7 @@ def launch(
     ``--nnodes 2`` on 127.0.0.1, node ``i`` staging under ``roots[i]``. Waits at most
     ``timeout`` seconds, then kills both launches (their process groups) and says so
     (``timed_out``); once every rank has reported or its node's launch has ended, an agent
-    still waiting in torchrun's exit barrier is stopped after 5 s (not a hang of a rank)."""
+    still waiting in torchrun's exit barrier is stopped after 10 s once the other launch has ended (not a hang of a rank)."""
     result_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -99,9 +99,9 @@ def launch(
             or all((result_dir / f"rank-{node * nproc_per_node + local}.json").exists() for local in range(nproc_per_node))
             for node, proc in enumerate(procs)
         )  # fmt: skip
-        if settled:
+        if settled and any(proc.poll() is not None for proc in procs):  # the other node's agent is gone
             settled_at = settled_at or now
-            if now - settled_at > 5.0:
+            if now - settled_at > 10.0:
                 break
         time.sleep(0.2)
     for proc in procs:
