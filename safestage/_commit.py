@@ -284,7 +284,7 @@ class StagedDir:
         for it); raises its PublishError if it failed (every time wait() is called)."""
         if self._state != "closed":
             raise RuntimeError("StagedDir.wait() is for after the block: the commit starts when it returns")
-        with contextlib.suppress(BaseException):
+        with contextlib.suppress(Exception):  # a Ctrl-C while waiting propagates
             _background.wait(self)  # observed here: exit does not report it again
         _forget_started(self)
         if self._error is not None:
