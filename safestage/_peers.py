@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import threading
 from typing import Any
 
@@ -74,7 +73,7 @@ class Peers:
         self.coordinator = self.ranks[0]
         self.timeout = float(timeout)
         self.group = _own_group(dist, group, self.ranks, self.timeout)
-        self.pids: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), from the first exchange
+        self.pids: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), from the enter exchange
 
     @property
     def is_coordinator(self) -> bool:
@@ -89,11 +88,6 @@ class Peers:
         except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out", ...
             raise self._lost(exc) from exc
         return gathered
-
-    def introduce(self) -> None:
-        """The first exchange of a commit: which process each rank is, to name the dead."""
-        for rank, where in zip(self.ranks, self.exchange((HOST, os.getpid()))):
-            self.pids[rank] = tuple(where)
 
     def _lost(self, exc: RuntimeError) -> PeerLost:
         _forget(self.ranks, self.timeout)  # a gloo group that lost a peer is broken for good
