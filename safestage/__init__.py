@@ -25,29 +25,29 @@ from ._errors import ConfigError, PublishError, SafestageError, StagingError
 from ._stage import PublishRecord
 
 if TYPE_CHECKING:
-    from ._commit import StagedDir, staged_dir
-    from ._in_place import commit_in_place
-    from ._manifest import COMMIT_NAME, FileEntry, Manifest
-    from ._prune import prune
-    from ._recover import Recovered, recover
-    from ._verify import Problem, VerifyResult, latest_complete, verify
+    from .checkpoint._in_place import commit_in_place
+    from .checkpoint._manifest import COMMIT_NAME, FileEntry, Manifest
+    from .checkpoint._prune import prune
+    from .checkpoint._recover import Recovered, recover
+    from .checkpoint._staged_dir import StagedDir, staged_dir
+    from .checkpoint._verify import Problem, VerifyResult, latest_complete, verify
 
 # The checkpoint API is imported on first use: the start-up hook imports this package in
 # every process of a job with SAFESTAGE_* set, and the directory-commit modules cost ~20 ms.
 _LAZY = {
-    "StagedDir": "_commit",
-    "staged_dir": "_commit",
-    "commit_in_place": "_in_place",
-    "COMMIT_NAME": "_manifest",
-    "FileEntry": "_manifest",
-    "Manifest": "_manifest",
-    "Problem": "_verify",
-    "Recovered": "_recover",
-    "recover": "_recover",
-    "VerifyResult": "_verify",
-    "prune": "_prune",
-    "latest_complete": "_verify",
-    "verify": "_verify",
+    "StagedDir": "checkpoint._staged_dir",
+    "staged_dir": "checkpoint._staged_dir",
+    "commit_in_place": "checkpoint._in_place",
+    "COMMIT_NAME": "checkpoint._manifest",
+    "FileEntry": "checkpoint._manifest",
+    "Manifest": "checkpoint._manifest",
+    "Problem": "checkpoint._verify",
+    "Recovered": "checkpoint._recover",
+    "recover": "checkpoint._recover",
+    "VerifyResult": "checkpoint._verify",
+    "prune": "checkpoint._prune",
+    "latest_complete": "checkpoint._verify",
+    "verify": "checkpoint._verify",
 }
 
 _REMOVED = {"is_complete": "safestage.verify(path).complete"}
@@ -67,7 +67,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "COMMIT_NAME",

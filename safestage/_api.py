@@ -6,13 +6,12 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, NoReturn, Optional, Union
 
-from . import _background, _config, _patch, _save
+from . import _config, _patch, _save, _work
 from ._config import PathArg, Publish, Settings
 from ._errors import as_safetensors_error
 from ._stage import PublishRecord
@@ -40,8 +39,6 @@ class Stage(contextlib.ContextDecorator):
         self._records_lock = threading.Lock()
         self._state = "new"  # new -> open -> closed
         self._opened_by: Optional[int] = None  # thread ident: its saves prefer this stage
-        self._idle = threading.Condition()  # saves in progress, by thread: close() waits
-        self._saving: Counter[int] = Counter()
 
     @property
     def staging_root(self) -> Path:
@@ -57,7 +54,7 @@ class Stage(contextlib.ContextDecorator):
                 "this safestage Stage was already used; call safestage.staged() again for a new one"
             )
         _save.staging_root(self.settings, opening=True)  # a bad root fails here, before any save
-        _background.adopt(self)  # its saves may publish in the background in this process
+        _work.adopt(self)  # its saves may publish in the background in this process
         self._state = "open"
         self._opened_by = threading.get_ident()
         _patch.push(self)
@@ -70,29 +67,18 @@ class Stage(contextlib.ContextDecorator):
         if self._state == "open":
             self._state = "closed"
             _patch.remove(self)  # from here on no save can pick this stage
-        me = threading.get_ident()
-        with self._idle:  # a save of this very thread (a writer closing its stage) is not waited for
-            self._idle.wait_for(lambda: sum(self._saving.values()) == self._saving[me])
-        _background.wait(self)  # its background publishes; the first error is raised
+        # A save of this very thread (a writer closing its stage) is not waited for.
+        _work.wait_for_threads(self)
+        _work.wait(self)  # its background publishes; the first error is raised
 
-    def _begin_save(self) -> None:
-        """Called under the activation lock with the stage chosen for a save (_patch)."""
-        with self._idle:
-            self._saving[threading.get_ident()] += 1
-
-    def _end_save(self) -> None:
-        with self._idle:
-            me = threading.get_ident()
-            self._saving[me] -= 1
-            if self._saving[me] <= 0:
-                del self._saving[me]
-            self._idle.notify_all()
+    def _begin_save(self, dest: Path) -> _work.Job:
+        """Called under the activation lock with the stage chosen for a save (_patch): the
+        save is this stage's job from now on, so close() waits for it."""
+        return _work.start("file", dest, self)
 
     def _after_fork_in_child(self) -> None:
-        # The parent's threads and lock holders do not exist here (nor its publishes: the
-        # background publisher starts afresh in the child, without this stage).
-        self._idle = threading.Condition()
-        self._saving = Counter()
+        # The parent's threads and lock holders do not exist here (nor its jobs: the registry
+        # starts afresh in the child, without this stage's).
         self._records_lock = threading.Lock()
 
     def __enter__(self) -> Stage:
@@ -153,12 +139,14 @@ class Stage(contextlib.ContextDecorator):
         *,
         as_error: Callable[[BaseException], BaseException] = as_safetensors_error,
         needs: Optional[int] = None,
+        job: Optional[_work.Job] = None,
     ) -> None:
         """One save of any writer through the one pipeline (_save.run): ``serialize(path)``
         writes the file; ``as_error`` gives safestage's errors the class that writer's
         callers catch (SafetensorError for safetensors, RuntimeError for torch.save)."""
         assert self._state != "new", "a Stage saves only once open"
-        _save.run(serialize, dest, self.settings, owner=self, record=self._record, needs=needs, as_error=as_error)
+        _save.run(serialize, dest, self.settings, owner=self, record=self._record, needs=needs, as_error=as_error,
+                  job=job)  # fmt: skip
 
     def _record(self, record: PublishRecord) -> None:
         with self._records_lock:
@@ -243,7 +231,7 @@ def force_follow(stage: Stage, follow: Optional[bool] = True) -> Stage:
 def wait() -> None:
     """Wait for every pending background publish in the process; raise the first error.
     The one wait: a Stage's close() and a Lightning plugin's teardown() wait for their own."""
-    _background.wait()
+    _work.wait()
 
 
 @contextlib.contextmanager

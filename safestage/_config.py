@@ -213,11 +213,9 @@ def resolve(
     skip_local_disk: object = None,
     torch_save: object = None,
     environ: Optional[Mapping[str, str]] = None,
-    background_default: int = 0,
 ) -> Settings:
     """Merge explicit arguments over the environment over the defaults. None counts as not
-    given. Values are checked here too: callers without a type checker pass anything.
-    ``background_default``: staged_dir's commit publishes BACKGROUND_ON files at once."""
+    given. Values are checked here too: callers without a type checker pass anything."""
     env = os.environ if environ is None else environ
     _check_removed_variables(env)
 
@@ -241,7 +239,7 @@ def resolve(
         resolved_background = (
             parse_background(env_background, ENV_BACKGROUND)
             if env_background is not None
-            else background_default
+            else 0
         )
     else:
         resolved_background = parse_background(background, "the background argument")

@@ -36,17 +36,15 @@ AFTER_FORK_IN_CHILD: tuple[tuple[str, str], ...] = (
     ("safestage._mounts", "after_fork_in_child"),
     ("safestage._publish", "after_fork_in_child"),
     ("safestage._autoload", "after_fork_in_child"),
-    # Per-process state: the checked staging roots and the saves in progress, the parent's
-    # publisher and its futures, the activation stack.
+    # Per-process state: the checked staging roots, the parent's jobs (the registry of work in
+    # flight), the activation stack.
     ("safestage._save", "after_fork_in_child"),
     # The parent's save directories' locks: closed here, so only the parent holds them.
-    ("safestage._stage", "after_fork_in_child"),
-    ("safestage._background", "after_fork_in_child"),
-    ("safestage._commit", "after_fork_in_child"),
-    ("safestage._inflight", "after_fork_in_child"),
+    ("safestage._kept", "after_fork_in_child"),
+    ("safestage._work", "after_fork_in_child"),
     ("safestage._patch", "after_fork_in_child"),
     # safestage's gloo groups: process groups do not survive fork().
-    ("safestage._peers", "after_fork_in_child"),
+    ("safestage.checkpoint._collective", "after_fork_in_child"),
 )
 
 

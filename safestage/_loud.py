@@ -4,7 +4,8 @@ safestage installs a NullHandler on its logger (libraries must not configure log
 program that never configured logging would hear nothing of a background publish that
 failed, and the one error a block raises hides every other. ``error()`` logs as usual and,
 when no real handler would take the record, also writes it to file descriptor 2 directly
-(not through ``sys.stderr``, which a program may have closed or replaced).
+(not through ``sys.stderr``, which a program may have closed or replaced). ``warning()`` does
+the same for the few warnings that concern data: a kept copy a killed job left behind.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ def error(message: str) -> None:
     log.error("%s", message)
     if not _heard(logging.ERROR):
         write_stderr(f"safestage: ERROR: {message}\n")
+
+
+def warning(message: str) -> None:
+    """A warning a human must hear (a checkpoint left behind): logged, and on stderr too
+    when no handler would take the record."""
+    log.warning("%s", message)
+    if not _heard(logging.WARNING):
+        write_stderr(f"safestage: WARNING: {message}\n")
 
 
 def write_stderr(text: str) -> None:

@@ -13,6 +13,14 @@ patch than safetensors'). That catches every caller that looks ``torch.save`` up
 torch import save`` before activation holds the original. Paths are staged like a
 safetensors save (same Stage._save, same publisher); file objects and buffers pass through.
 
+While any stage is open, DCP's own writers are staged too (``safestage.dcp.under_switch``):
+the hook point is ``_save_state_dict``, a call-time global of ``dcp.save`` (and so of
+``dcp.async_save``'s save, in its thread or its process) and of ``torch_save_to_dcp``, which
+receives the writer ``dcp.save`` chose (``FileSystemWriter`` for a path) or was given. And
+Lightning's sharded saves (``save_checkpoint`` of its FSDP and ModelParallel strategies, a
+class attribute) commit the whole directory, ``meta.pt`` included
+(``safestage.lightning.sharded_save``).
+
 wrapt has no unpatch, so we restore by hand, and only where the global is still our wrapper:
 if someone wrapped on top of ours we leave theirs alone, and our wrapper inside it turns into
 a pass-through because it consults the activation stack on every call. The post-import hook
@@ -39,6 +47,7 @@ from ._paths import resolve_destination
 
 if TYPE_CHECKING:
     from ._api import Stage
+    from ._work import Job
 
 log = logging.getLogger("safestage")
 
@@ -49,15 +58,30 @@ TORCH_MODULES = ("torch.serialization", "torch")
 TORCH_ATTRIBUTE = "save"
 
 
+# DCP's save of a resolved writer; format_utils (torch_save_to_dcp) bound it at import.
+DCP_MODULES = ("torch.distributed.checkpoint.state_dict_saver", "torch.distributed.checkpoint.format_utils")
+DCP_ATTRIBUTE = "_save_state_dict"
+# Lightning's sharded saves: a method of each strategy class, in both packages of each.
+LIGHTNING_METHODS = tuple(
+    (f"{package}.strategies.{module}", f"{cls}.save_checkpoint")
+    for package in ("lightning.pytorch", "pytorch_lightning", "lightning.fabric", "lightning_fabric")
+    for module, cls in (("fsdp", "FSDPStrategy"), ("model_parallel", "ModelParallelStrategy"))
+)
+
+
 @dataclass(frozen=True)
 class _Target:
     module: str
-    attribute: str
-    family: str  # "safetensors": while any stage is open; "torch": while one has torch_save
+    attribute: str  # a module global, or "Class.method"
+    # "safetensors", "dcp", "lightning": while any stage is open; "torch": while one has torch_save
+    family: str
 
 
-TARGETS = tuple(_Target(name, ATTRIBUTE, "safetensors") for name in TARGET_MODULES) + tuple(
-    _Target(name, TORCH_ATTRIBUTE, "torch") for name in TORCH_MODULES
+TARGETS = (
+    tuple(_Target(name, ATTRIBUTE, "safetensors") for name in TARGET_MODULES)
+    + tuple(_Target(name, DCP_ATTRIBUTE, "dcp") for name in DCP_MODULES)
+    + tuple(_Target(name, attribute, "lightning") for name, attribute in LIGHTNING_METHODS)
+    + tuple(_Target(name, TORCH_ATTRIBUTE, "torch") for name in TORCH_MODULES)
 )
 
 _lock = threading.RLock()
@@ -83,16 +107,15 @@ def current_stage() -> Optional[Stage]:
         return _active[-1]
 
 
-def begin_save(*, torch_save: bool = False) -> Optional[Stage]:
-    """current_stage(), with the save counted in it under the same lock: a stage whose
+def begin_save(dest: Path, *, torch_save: bool = False) -> Optional[tuple[Stage, Job]]:
+    """current_stage(), with the save started as its job under the same lock: a stage whose
     close() has begun is never picked, and one that was picked waits for the save. For a
     torch.save, None unless that stage has torch_save: the stage that takes a save decides."""
     with _lock:
         stage = current_stage()
         if stage is None or (torch_save and not stage.settings.torch_save):
             return None
-        stage._begin_save()
-        return stage
+        return stage, stage._begin_save(dest)
 
 
 def after_fork_in_child() -> None:  # registered by _lifecycle
@@ -103,7 +126,6 @@ def after_fork_in_child() -> None:  # registered by _lifecycle
     _in_save = threading.local()
     for stage in _active:
         stage._after_fork_in_child()
-
 
 
 def is_active() -> bool:
@@ -129,7 +151,7 @@ def remove(stage: Stage) -> None:
 
 
 def _wanted_families() -> set[str]:
-    families = {"safetensors"} if _active else set()
+    families = {"safetensors", "dcp", "lightning"} if _active else set()
     if any(stage.settings.torch_save for stage in _active):
         families.add("torch")
     return families
@@ -168,7 +190,7 @@ def installed_targets() -> list[str]:
         return [
             f"{target.module}.{target.attribute}"
             for target in TARGETS
-            if _wraps_ours(getattr(sys.modules.get(target.module), target.attribute, None))
+            if _wraps_ours(_lookup(sys.modules.get(target.module), target.attribute))
         ]
 
 
@@ -176,8 +198,21 @@ def _is_ours(candidate: object) -> bool:
     return any(candidate is wrapper for wrapper in _ours)
 
 
+def _lookup(module: Any, attribute: str) -> Any:
+    """``module.attribute``, where ``attribute`` may be ``Class.method``; None if missing."""
+    owner = module
+    for name in attribute.split("."):
+        owner = getattr(owner, name, None)
+    return owner
+
+
+def _assign(module: Any, attribute: str, value: Any) -> None:
+    owner_path, _, name = attribute.rpartition(".")
+    setattr(_lookup(module, owner_path) if owner_path else module, name, value)
+
+
 def _install(module: Any, target: _Target) -> None:
-    current = getattr(module, target.attribute, None)
+    current = _lookup(module, target.attribute)
     # Already ours, or someone wrapped over ours (theirs calls ours): never stack a second.
     if current is None or _wraps_ours(current):
         return
@@ -185,12 +220,11 @@ def _install(module: Any, target: _Target) -> None:
     # serialize_file globals) are one function, so they stay one object, as unpatched.
     for wrapper in _ours:
         if wrapper.__wrapped__ is current:
-            setattr(module, target.attribute, wrapper)
+            _assign(module, target.attribute, wrapper)
             return
-    handler = _staging_wrapper if target.family == "safetensors" else _torch_save_wrapper
-    wrapper = _wrapper_class()(current, handler)
+    wrapper = _wrapper_class()(current, _HANDLERS[target.family])
     wrapper._self_home = (target.module, target.attribute)
-    setattr(module, target.attribute, wrapper)
+    _assign(module, target.attribute, wrapper)
     _ours.append(wrapper)
 
 
@@ -217,15 +251,15 @@ def resolve_global(module: str, attribute: str) -> Any:
     """Unpickling a wrapper of ours: whatever the module global is in this process."""
     import importlib
 
-    return getattr(importlib.import_module(module), attribute)
+    return _lookup(importlib.import_module(module), attribute)
 
 
 def _restore(module: Any, target: _Target) -> None:
-    current = getattr(module, target.attribute, None)
+    current = _lookup(module, target.attribute)
     if current is not None and _is_ours(current):
         # A module imported while we were active may have bound our wrapper from another
         # target module (``torch`` binds torch.serialization.save): unwrap to what it wrapped.
-        setattr(module, target.attribute, current.__wrapped__)
+        _assign(module, target.attribute, current.__wrapped__)
     elif current is not None and _wraps_ours(current):
         log.debug("%s.%s was wrapped over ours; leaving it", target.module, target.attribute)
 
@@ -248,7 +282,7 @@ def _still_referenced(wrapper: Any) -> bool:
     return any(
         link is wrapper
         for target in TARGETS
-        for link in _wrapper_chain(getattr(sys.modules.get(target.module), target.attribute, None))
+        for link in _wrapper_chain(_lookup(sys.modules.get(target.module), target.attribute))
     )
 
 
@@ -360,9 +394,10 @@ def _staging_wrapper(
         # (missing directory, a directory, a trailing slash): let safetensors raise exactly
         # its own error. A staged_file's or staged_dir's local directory is staging already.
         return wrapped(*args, **kwargs)
-    stage = begin_save()
-    if stage is None:
+    begun = begin_save(dest)
+    if begun is None:
         return wrapped(*args, **kwargs)
+    stage, job = begun
 
     def serialize(staged: str) -> None:
         if positional:
@@ -373,12 +408,10 @@ def _staging_wrapper(
 
     try:
         with bypass():  # a wrapper over ours, calling back into us, must not stage twice
-            return stage._save(serialize, dest, needs=_payload_bytes(args, kwargs))
+            return stage._save(serialize, dest, needs=_payload_bytes(args, kwargs), job=job)
     except (PublishError, StagingError) as exc:
         as_safetensors_error(exc)  # still caught by `except SafetensorError` (issue 9)
         raise
-    finally:
-        stage._end_save()
 
 
 def _payload_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
@@ -424,9 +457,10 @@ def _torch_save_wrapper(
         # trailing slash): torch raises exactly its own error. A device or FIFO there
         # (torch.save(x, "/dev/null")): torch writes into it, and so must we, never replace it.
         return wrapped(*args, **kwargs)
-    stage = begin_save(torch_save=True)
-    if stage is None:
+    begun = begin_save(dest, torch_save=True)
+    if begun is None:
         return wrapped(*args, **kwargs)
+    stage, job = begun
 
     def serialize(staged: str) -> None:
         if positional:
@@ -437,12 +471,43 @@ def _torch_save_wrapper(
 
     try:
         with bypass():  # the original writes into our staging file: never stage that again
-            return stage._save(serialize, dest, as_error=as_torch_error)
+            return stage._save(serialize, dest, as_error=as_torch_error, job=job)
     except (PublishError, StagingError) as exc:
         as_torch_error(exc)  # still caught by `except RuntimeError`, like torch.save's own
         raise
-    finally:
-        stage._end_save()
+
+
+def _dcp_wrapper(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """DCP's ``_save_state_dict``: its own writers, staged and committed (safestage.dcp)."""
+    stage = None if getattr(_in_save, "active", False) else current_stage()
+    if stage is None:
+        return wrapped(*args, **kwargs)
+    from .dcp import under_switch  # imports torch's DCP: imported already, it is saving
+
+    return under_switch(wrapped, args, kwargs, stage.settings)
+
+
+def _lightning_wrapper(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A Lightning strategy's ``save_checkpoint``: a sharded checkpoint committed whole,
+    ``meta.pt`` included (safestage.lightning)."""
+    stage = None if getattr(_in_save, "active", False) else current_stage()
+    if stage is None or instance is None:
+        return wrapped(*args, **kwargs)
+    from .lightning import sharded_save  # imports Lightning: imported already, it is saving
+
+    return sharded_save(wrapped, instance, args, kwargs, stage.settings)
+
+
+_HANDLERS: dict[str, Callable[..., Any]] = {
+    "safetensors": _staging_wrapper,
+    "torch": _torch_save_wrapper,
+    "dcp": _dcp_wrapper,
+    "lightning": _lightning_wrapper,
+}
 
 
 def _special_file(dest: Path) -> bool:

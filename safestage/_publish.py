@@ -338,6 +338,44 @@ def _rename_into_place(staged: Path, dest: Path, *, mode: int, fsync: bool) -> i
     return nbytes
 
 
+def _link_into_place(staged: Path, dest: Path, *, mode: int, fsync: bool) -> int:
+    """A rename that keeps its source: fsync, chmod, a hard link under a hidden sibling name,
+    os.replace over ``dest``. The staged file stays whole under its own name (a commit kept
+    after a failure still holds every file of its checkpoint); our temp never outlives the
+    call."""
+    step = "inspect"
+    temp = dest.parent / temp_name(dest.name)
+    linked = False
+    try:
+        nbytes = os.stat(staged).st_size
+        if fsync:
+            step = "fsync"
+            fd = os.open(staged, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                close_quietly(fd)
+        step = "chmod"
+        os.chmod(staged, mode)
+        step = "link"
+        os.link(staged, temp)
+        linked = True
+        step = "rename"
+        os.replace(temp, dest)
+        linked = False
+    except OSError as exc:
+        raise _StepFailed(step, exc, dest) from exc
+    finally:
+        if linked:
+            with deferred():
+                _best_effort_unlink(temp)
+    return nbytes
+
+
+# What a link answers where hard links are not to be had: copy instead.
+_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
 def publish_file(
     staged: Path,
     dest: Path,
@@ -348,6 +386,7 @@ def publish_file(
     sync_directory: bool = True,
     digest: Optional[Callable[[], Digest]] = None,
     follow: Optional[Follower] = None,
+    keep_source: bool = False,
 ) -> Published:
     """Publish ``staged`` to ``dest``. On failure raise PublishError; ``staged`` is kept.
 
@@ -362,6 +401,10 @@ def publish_file(
     ``follow``: ``staged`` is still being written; a ``replace`` copy reads behind its writer
     into its hidden temp (_follow). A ``direct`` publish waits for the writer to finish first.
     Never with rename (``staging_device`` must be None): a rename needs the whole file.
+
+    ``keep_source``: where a rename would do, link instead (``link``): ``staged`` stays whole
+    (a commit's files: its copy, kept after a failure, must hold every file). Copies where no
+    hard link can be made.
     """
     if follow is not None and staging_device is not None:
         raise ValueError("publish_file(follow=...) copies: pass staging_device=None")
@@ -377,18 +420,21 @@ def publish_file(
     strategy = _choose(publish, directory, dest_device, staging_device)
 
     if strategy == "rename":
+        place, strategy = (_link_into_place, "link") if keep_source else (_rename_into_place, "rename")
         try:
             hexdigest = _digest_file(staged, digest()) if digest is not None else None
-            nbytes = _rename_into_place(staged, dest, mode=mode, fsync=fsync)
+            nbytes = place(staged, dest, mode=mode, fsync=fsync)
         except _StepFailed as failed:
-            # A bind mount of the same filesystem still answers EXDEV: copy instead.
-            if failed.error.errno != errno.EXDEV:
-                raise _publish_error(failed, dest, staged, "rename", existed=existed) from failed.error
+            # A bind mount of the same filesystem still answers EXDEV, and some filesystems
+            # have no hard links: copy instead.
+            if not (failed.error.errno == errno.EXDEV or (keep_source and failed.step == "link"
+                                                          and failed.error.errno in _NO_LINK)):  # fmt: skip
+                raise _publish_error(failed, dest, staged, strategy, existed=existed) from failed.error
             strategy = "replace"  # publish="direct" never chooses rename
         else:
             if fsync and sync_directory:
                 fsync_directory(directory)
-            return Published("rename", nbytes, time.perf_counter() - started, hexdigest)
+            return Published(strategy, nbytes, time.perf_counter() - started, hexdigest)
 
     if strategy == "replace":
         try:

@@ -9,7 +9,7 @@
 - ``followed``: serialized locally while a thread publishes behind the writer (_follow);
 - ``staged``: serialized locally, then published before the save returns;
 - ``background``: serialized locally, published by the one background publisher
-  (_background), which owns the publish and its error.
+  (_work), which owns the publish and its error.
 
 and then run (``run``). The staging root is checked and swept once per process and root
 (``staging_root``), not per save: a Lightning run saving a checkpoint every few minutes
@@ -26,21 +26,20 @@ import os
 import stat
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
-from . import _background, _patch
+from . import _patch, _work
 from ._config import PathArg, Settings
 from ._errors import PublishError, StagingError
+from ._kept import SaveDir
 from ._mounts import is_local_disk
 from ._names import local_name
 from ._paths import absolute, resolve_destination
 from ._stage import (
     LocalCopy,
     PublishRecord,
-    SaveDir,
     StagingRoot,
     follow_strategy,
     keep_unpublished,
@@ -86,57 +85,22 @@ def staging_root(settings: Settings, *, opening: bool = False) -> StagingRoot:
 
 
 def save_dir(settings: Settings) -> tuple[StagingRoot, SaveDir]:
-    """A fresh private save directory under the checked staging root (staged_dir,
-    commit_in_place)."""
+    """A fresh private save directory under the checked staging root (a commit's)."""
     root = staging_root(settings)
     return root, root.new_save_dir()
 
 
-# -- saves in progress, by destination ----------------------------------------------------------
-
-_progress = threading.Condition()
-_saving: Counter[Path] = Counter()
-_then: dict[Path, list[Callable[[], None]]] = {}
-
-
-@contextlib.contextmanager
-def _counted(dest: Path) -> Iterator[None]:
-    with _progress:
-        _saving[dest] += 1
-    actions: list[Callable[[], None]] = []
-    try:
-        yield
-    finally:
-        with _progress:
-            _saving[dest] -= 1
-            if _saving[dest] <= 0:
-                del _saving[dest]
-                actions = _then.pop(dest, [])
-        for action in actions:
-            _background.settle(dest)
-            action()
-
-
-def when_saved(dest: Path, action: Callable[[], None]) -> None:
-    """Run ``action`` once ``dest`` is neither being saved nor publishing: now (after its
-    pending background publish) or, if a save of it is running in another thread, by that
-    thread when the save ends (Lightning's top-k removal under AsyncCheckpointIO)."""
-    with _progress:
-        if _saving[dest]:
-            _then.setdefault(dest, []).append(action)
-            return
-    _background.settle(dest)
-    action()
+def checked_roots() -> list[Path]:
+    """The staging roots this process has checked (retention looks there for live commits)."""
+    with _roots_lock:
+        return [path for (pid, path, _) in _roots if pid == os.getpid()]
 
 
 def after_fork_in_child() -> None:  # registered by _lifecycle
-    # The parent's threads (a save in progress, a root being checked) do not exist here.
-    global _roots_lock, _progress
+    # The parent's threads (a root being checked) do not exist here.
+    global _roots_lock
     _roots_lock = threading.Lock()
     _roots.clear()
-    _progress = threading.Condition()
-    _saving.clear()
-    _then.clear()
 
 
 # -- plan and run --------------------------------------------------------------------------------
@@ -152,7 +116,7 @@ def plan(
         return "unstaged"
     if settings.skip_local_disk and is_local_disk(dest.parent):
         return "unstaged"
-    if settings.background and _background.may_defer(owner):
+    if settings.background and _work.may_defer(owner):
         return "background"
     if follow_strategy(settings, dest, root, needs) is not None:
         return "followed"
@@ -168,24 +132,26 @@ def run(
     record: Record,
     needs: Optional[int] = None,
     as_error: AsError = _as_is,
+    job: Optional[_work.Job] = None,
 ) -> None:
     """One save: ``write(path)`` writes the file, planned and published as ``plan`` says;
     ``record`` receives its PublishRecord (on a worker thread for a background publish).
 
-    ``owner`` is whoever waits for its background publish (``_background.wait(owner)``);
+    ``owner`` is whoever waits for its background publish (``_work.wait(owner)``); ``job``,
+    the save's job if the caller started it (``_patch``, under its lock), else one is started;
     ``as_error`` gives safestage's errors the class that writer's callers catch
     (SafetensorError for safetensors, RuntimeError for torch.save); ``needs``, the file's
     size if known, lets a staging root that cannot hold it refuse before anything is written.
     Raises what a staged save raises (StagingError, PublishError with the complete copy
     kept); a writer's own error removes the local copy and reaches the caller unchanged."""
-    with _counted(dest):
+    with _work.running("file", dest, owner, job=job) as job:
         root = staging_root(settings)
         way = plan(settings, dest, root, needs=needs, owner=owner)
         if way == "unstaged":
             record(write_unstaged(write, dest, settings))
             return
         if way == "followed":
-            _background.settle(dest)  # an earlier background publish of it lands first
+            _work.settle(dest)  # an earlier background publish of it lands first
             try:
                 following = write_following(write, dest, root, settings, needs=needs)
             except (PublishError, StagingError) as exc:
@@ -197,7 +163,7 @@ def run(
             _make_room(root, needs, dest, owner)  # checked here: write_local need not again
             needs = None
         copy = write_local(write, dest, root, needs=needs)
-        publish(copy, settings, root, owner=owner if way == "background" else None,
+        publish(copy, settings, root, job=job if way == "background" else None,
                 record=record, as_error=as_error)  # fmt: skip
 
 
@@ -206,16 +172,16 @@ def publish(
     settings: Settings,
     root: StagingRoot,
     *,
-    owner: object = None,
+    job: Optional[_work.Job] = None,
     record: Record,
     as_error: AsError = _as_is,
     copy_bytes: bool = False,
 ) -> None:
-    """Publish a local copy: now (``owner`` None), after any pending background publish of
-    the same destination, or on the background publisher for ``owner``. ``copy_bytes``:
-    never move the local file itself (rename), copy its bytes."""
+    """Publish a local copy: now (``job`` None), after any pending background publish of the
+    same destination, or, handing ``job`` off, on a worker. ``copy_bytes``: never move the
+    local file itself (rename), copy its bytes."""
 
-    def job() -> PublishRecord:
+    def work() -> PublishRecord:
         try:
             published = publish_local(copy, settings, root, copy=copy_bytes)
         except (PublishError, StagingError) as exc:
@@ -224,13 +190,12 @@ def publish(
         record(published)
         return published
 
-    if owner is None:
-        _background.settle(copy.dest)  # an earlier background publish of it lands first
-        job()
+    if job is None:
+        _work.settle(copy.dest)  # an earlier background publish of it lands first
+        work()
         return
-    _background.publisher().submit(  # a Ctrl-C while waiting for a slot keeps and names the copy
-        job, copy.dest, max_pending=settings.background, owner=owner, kept=copy.path,
-        not_started=functools.partial(keep_unpublished, copy),
+    _work.hand_off(  # a Ctrl-C while waiting for a slot keeps and names the copy
+        job, work, limit=settings.background, kept=copy.path, not_started=functools.partial(keep_unpublished, copy),
     )  # fmt: skip
 
 
@@ -241,11 +206,13 @@ def _make_room(root: StagingRoot, needs: Optional[int], dest: Path, owner: objec
     try:
         root.check_room(needs, dest)
     except StagingError:
-        pending = _background.running(owner)
+        pending = _work.running_count(owner)
         if not pending:
             raise
-        log.info("%s: the staging root is full until %d pending publish(es) land; waiting", dest, pending)
-        _background.settle(owner=owner)
+        log.info(
+            "%s: the staging root is full until %d pending publish(es) land; waiting", dest, pending
+        )
+        _work.settle(owner=owner)
         root.check_room(needs, dest)
 
 
@@ -256,7 +223,7 @@ def _make_room(root: StagingRoot, needs: Optional[int], dest: Path, owner: objec
 def local_file(dest: Path, settings: Settings) -> Iterator[Path]:
     """A local path in a fresh save directory for any writer (the caller's block); published
     to ``dest`` when the block succeeds, removed when it raises."""
-    with _counted(dest):
+    with _work.running("file", dest, None):
         root = staging_root(settings)
         started = time.perf_counter()
         copy: Optional[LocalCopy] = None
@@ -278,7 +245,13 @@ def local_file(dest: Path, settings: Settings) -> Iterator[Path]:
                 private.release()
         # A symlink left by the writer (a cache's file): publish its bytes, never the link,
         # and never touch its target (a rename would move the link and chmod the target).
-        publish(copy, settings, root, record=lambda _: None, copy_bytes=stat.S_ISLNK(os.lstat(local).st_mode))
+        publish(
+            copy,
+            settings,
+            root,
+            record=lambda _: None,
+            copy_bytes=stat.S_ISLNK(os.lstat(local).st_mode),
+        )
 
 
 def _check_written(copy: LocalCopy) -> None:
@@ -335,7 +308,9 @@ def destination(dest: PathArg) -> Path:
     else:
         advice = "its directory does not exist: create it before saving"
     raise PublishError(
-        code, f"safestage: cannot save to {shown}: [Errno {code}] {os.strerror(code)}: {advice}.", str(shown)
+        code,
+        f"safestage: cannot save to {shown}: [Errno {code}] {os.strerror(code)}: {advice}.",
+        str(shown),
     )
 
 

@@ -1,5 +1,6 @@
-"""The staging root (StagingRoot), one save directory per save (SaveDir), and the steps of a
-save that _save plans and runs: write a local copy (LocalCopy), follow it, publish it.
+"""The staging root (StagingRoot), which makes one save directory per save (``_kept.SaveDir``),
+and the steps of a save that _save plans and runs: write a local copy (LocalCopy), follow it,
+publish it.
 
 Each save is serialized by the *original* writer into a fresh 0700 save directory under a
 local POSIX staging root, then handed to _publish. The save directory is what makes a shared,
@@ -8,16 +9,13 @@ world-writable root safe: nobody else can plant a file or symlink inside it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import re
-import shutil
 import stat
 import time
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -25,10 +23,11 @@ from ._config import Settings
 from ._errors import PublishError, StagingError
 from ._follow import FOLLOW_MIN_BYTES, Follower, FollowMismatch, WriterFailed
 from ._interrupts import deferred
+from ._kept import Record, SaveDir, remove_tree, sweep
 from ._lifecycle import start_worker
 from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
-from ._names import KEPT_RECORD, local_name, parse_stage_dir, save_dir_name
+from ._names import local_name, save_dir_name
 from ._paths import real_directory
 from ._publish import (
     Published,
@@ -50,57 +49,12 @@ class PublishRecord:
 
     destination: Path
     bytes: int
-    publish: str  # "rename" (same filesystem, no copy), "replace", "direct", or "unstaged" (when="auto")
+    # "rename" (same filesystem, no copy), "link" (a commit's, which keeps its local copy whole),
+    # "replace", "direct", or "unstaged" (skip_local_disk)
+    publish: str
     seconds: float  # serialize + publish, as the caller of save_file waited
     serialize_seconds: float
     publish_seconds: float
-
-
-class SaveDir:
-    """One save's private directory (0700) under the staging root, and the flock on it that
-    tells every sweeper, in any PID namespace, that its owner is alive (``_locks``)."""
-
-    def __init__(self, path: Path, lock_fd: Optional[int]) -> None:
-        self.path = path
-        self._lock_fd = lock_fd
-        if lock_fd is not None:
-            _held.add(self)
-
-    def release(self) -> None:
-        """Drop the lock: what the directory still holds is then protected by its content
-        alone (a kept copy is never swept). Idempotent."""
-        fd, self._lock_fd = self._lock_fd, None
-        if fd is not None:
-            close_quietly(fd)
-
-    def remove(self) -> None:
-        """Remove the directory (under the lock, so no sweeper races us); never raises, and a
-        Ctrl-C meanwhile is raised after it."""
-        with deferred():
-            try:
-                remove_tree(self.path)
-            finally:
-                self.release()
-
-    def __truediv__(self, name: str) -> Path:
-        return self.path / name
-
-    def __repr__(self) -> str:
-        return f"<SaveDir {self.path} {'locked' if self._lock_fd is not None else 'released'}>"
-
-
-# Save directories whose lock this process holds: a forked child closes its inherited copy of
-# each lock (a flock belongs to the open file, so a child outliving its killed parent would
-# otherwise keep the copy "in use" for recover and sweeps).
-_held: weakref.WeakSet[SaveDir] = weakref.WeakSet()
-
-
-def after_fork_in_child() -> None:  # registered by _lifecycle
-    for save_dir in list(_held):
-        fd, save_dir._lock_fd = save_dir._lock_fd, None
-        if fd is not None:
-            close_quietly(fd)
-    _held.clear()
 
 
 def _is_host_root() -> bool:
@@ -199,10 +153,16 @@ class StagingRoot:
                         close_quietly(fd)
                     remove_tree(candidate)
                 if isinstance(exc, OSError):
-                    raise _root_error(self.path, exc, "lock a private staging directory in") from exc
+                    raise _root_error(
+                        self.path, exc, "lock a private staging directory in"
+                    ) from exc
                 raise
             return SaveDir(candidate, fd)
-        raise StagingError(errno.EEXIST, f"safestage could not find a free staging name under {self.path}", str(self.path))
+        raise StagingError(
+            errno.EEXIST,
+            f"safestage could not find a free staging name under {self.path}",
+            str(self.path),
+        )
 
 
 def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
@@ -223,36 +183,20 @@ def _drop_abandoned(candidate: Path, fd: Optional[int]) -> None:
 
 
 def _sweep_dead(root: Path, *, warn_kept: bool = True) -> None:
-    """Remove staging directories that processes on this host left when they died (the same
-    rules as `safestage clean`: one that still holds a finished file is kept), and name the
-    kept copies in one WARNING (``warn_kept``; not for `safestage recover` itself).
-
-    A kept copy is never published from here: the job may have written newer checkpoints
-    since, and an activation must not start uploads nobody asked for; `safestage recover`
-    does it when asked (``_recover``)."""
-    from ._clean import clean  # local: only activation needs it
-
+    """Remove the save directories that processes on this host left when they died and that
+    hold nothing worth keeping (``_kept.sweep``, the rules of `safestage clean`), and name the
+    kept copies, on stderr once per process whatever the logging setup (``warn_kept``; not for
+    `safestage recover` itself). A kept copy is never published from here: the job may have
+    written newer checkpoints since, and an activation must not start uploads nobody asked
+    for; `safestage recover` does it when asked."""
     try:
-        entries = clean(root)
+        swept = sweep(root, warn_kept=warn_kept)
     except OSError as exc:
         log.debug("could not sweep %s: %s", root, exc)
         return
-    kept = []
-    for entry in entries:
-        if entry.action == "removed":
-            log.info("removed %s/%s: %s", root, entry.name, entry.reason)
-        elif entry.action == "kept" and "complete copy" in entry.reason:
-            log.info("%s/%s: %s", root, entry.name, entry.reason)
-            kept.append(entry.name if entry.destination is None else f"{entry.name} for {entry.destination}")
-    if kept and warn_kept:  # one line per activation, not one per copy: every process of a job sweeps
-        log.warning(
-            "%d kept cop%s in the staging root %s (%s): the only complete copy of a save whose "
-            "publish did not finish. safestage never publishes a kept copy on its own (newer "
-            "checkpoints may exist since); `safestage recover %s` publishes each to its "
-            "destination or says why not (--dry-run: only say)",
-            len(kept), "y" if len(kept) == 1 else "ies", root,
-            "; ".join(kept[:3]) + ("; ..." if len(kept) > 3 else ""), root,
-        )  # fmt: skip
+    for item in swept:
+        if item.action in ("removed", "kept"):
+            log.info("%s/%s %s: %s", root, item.found.path.name, item.action, item.reason)
 
 
 def _ensure_private_default(root: Path) -> None:
@@ -361,26 +305,6 @@ def _root_error(root: Path, exc: OSError, doing: str) -> StagingError:
     )
 
 
-def remove_tree(path: Path) -> None:
-    """Remove a private staging directory; never raise (cleanup must not mask the real error)."""
-    shutil.rmtree(path, ignore_errors=True)
-    if path.exists():
-        log.warning("could not remove staging directory %s", path)
-
-
-def discard_kept(error: PublishError) -> bool:
-    """Remove the complete copy a failed publish kept (``error.staged_path``), for a caller
-    that knows the file is not wanted any more (the transformers Trainer deleted the
-    checkpoint it was for). Only a save directory of ours; returns whether it is gone."""
-    if error.staged_path is None:
-        return False
-    save_dir = Path(error.staged_path).parent
-    if parse_stage_dir(save_dir.name) is None:
-        return False
-    remove_tree(save_dir)
-    return not save_dir.exists()
-
-
 @dataclass(frozen=True)
 class LocalCopy:
     """A file written locally, complete in its save directory, waiting to be published."""
@@ -390,6 +314,9 @@ class LocalCopy:
     dest: Path
     started: float  # perf_counter when the save began
     serialize_seconds: float
+    wall_started: float = field(
+        default_factory=time.time
+    )  # when, by the clock (a kept copy's record)
 
     @property
     def nbytes(self) -> int:
@@ -571,7 +498,9 @@ def _destination_failed(error: PublishError) -> bool:
     """Whether a followed publish failed at the destination, not in following the writer
     (a mismatch, a writer that failed, a read of the staging file: those fall back)."""
     cause = error.__cause__
-    return getattr(error, "step", None) != "read" and not isinstance(cause, (FollowMismatch, WriterFailed))
+    return getattr(error, "step", None) != "read" and not isinstance(
+        cause, (FollowMismatch, WriterFailed)
+    )
 
 
 def publish_local(
@@ -617,53 +546,13 @@ def publish_local(
     )
     log.debug(
         "%s: %d bytes, serialize %.3fs, %s %.3fs",
-        item.dest, record.bytes, record.serialize_seconds, record.publish, record.publish_seconds,
+        item.dest,
+        record.bytes,
+        record.serialize_seconds,
+        record.publish,
+        record.publish_seconds,
     )
     return record
-
-
-def record_kept(
-    save_dir: Path,
-    dest: Path,
-    local: Path,
-    *,
-    left: list[str],
-    landed: list[str],
-    commit_file: bool,
-    error: Optional[BaseException] = None,
-    distributed: Optional[dict[str, int]] = None,
-) -> None:
-    """Write what the copy kept in ``save_dir`` is for (``_names.KEPT_RECORD``, JSON): its
-    destination, the local file or directory, the paths (relative to it) still to publish,
-    those that landed, whether a commit file is still to write, and for one rank's part of a
-    distributed commit its ``rank`` and ``world_size`` (no rank can commit alone). `safestage clean` shows
-    the destination; a recover reads the rest. Best effort: a full staging root must not
-    hide the error that kept the copy (the error names the copy itself)."""
-    import json
-
-    document = {
-        "format": "safestage.kept",
-        "version": 1,
-        "destination": str(dest),
-        "local": local.name,
-        "kind": "directory" if commit_file else "file",
-        "left": sorted(left),
-        "landed": sorted(landed),
-        "commit_file": commit_file,
-        "error": None if error is None else str(error),
-        "time": time.time(),
-        **(distributed or {}),
-    }
-    # The part file is named like safetensors' torn temp: a sweep knows it is no copy.
-    record, part = save_dir / KEPT_RECORD, save_dir / ".tmpkeptjs"
-    try:
-        with open(part, "w", encoding="utf-8", errors="surrogateescape") as handle:
-            json.dump(document, handle, indent=1)
-        os.replace(part, record)  # a kill meanwhile leaves the previous record whole
-    except (OSError, ValueError) as exc:
-        log.debug("could not record what %s is for: %s", local, exc)
-        with contextlib.suppress(OSError):
-            os.unlink(part)
 
 
 def keep_unpublished(item: LocalCopy, exc: BaseException) -> None:
@@ -671,8 +560,10 @@ def keep_unpublished(item: LocalCopy, exc: BaseException) -> None:
     swept, see _clean), recording its destination; an error says where itself, an interrupt
     gets a note that does."""
     if item.path.exists():
-        record_kept(item.save_dir.path, item.dest, item.path, left=[item.path.name], landed=[],
-                    commit_file=False, error=exc)  # fmt: skip
+        item.save_dir.keep(Record(
+            destination=item.dest, local=item.path.name, kind="file", left=(item.path.name,),
+            started=item.wall_started, error=str(exc),
+        ))  # fmt: skip
     item.save_dir.release()
     if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
         _note_kept_copy(exc, item)

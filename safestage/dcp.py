@@ -1,5 +1,5 @@
 """``safestage.dcp``: torch.distributed.checkpoint storage writers that stage locally, publish,
-and commit last.
+and commit last; and the same for DCP's own writers when staging is on (the switch).
 
     import torch.distributed.checkpoint as dcp
     from safestage.dcp import StagedWriter
@@ -11,45 +11,58 @@ DCP's own ``FileSystemWriter`` writes its data files in place (a killed save lea
 ``.distcp`` files under their final names), renames ``.metadata`` in last (mountpoint-s3 has
 no rename: the save fails with EBADF/ENOSYS and leaves no ``.metadata``), and removes the old
 ``.metadata`` only at the end, so a half-overwritten directory still has an old ``.metadata``
-vouching for new data files. Here, per save (DCP's StorageWriter protocol, storage.py):
+vouching for new data files. Here DCP's StorageWriter hooks (storage.py) are the agreement
+points of the one commit sequence (``safestage.checkpoint._sequence``), DCP's own collectives
+carrying what the ranks tell each other:
 
-1. ``set_up_storage_writer`` (every rank): a fresh local directory in a private save
-   directory under this rank's own staging root (nodes never share one), and a stock
-   ``FileSystemWriter`` pointed at it;
+1. ``set_up_storage_writer`` (every rank): open, a fresh local directory under this rank's own
+   staging root (nodes never share one), and a copy of DCP's writer pointed at it;
 2. ``prepare_global_plan`` (the coordinator, before DCP scatters the plan, so before any rank
-   writes): the destination is created, its commit file removed, DCP's old ``.metadata``
-   removed, and the temp files of killed commits with them;
-3. ``write_data`` (every rank): the inner writer writes the rank's files locally; each is then
-   published (``_publish.publish_file``: replace, or direct where the destination cannot
-   rename; size checked; CRC-32 computed while copying); the local copy goes once they
-   landed, and is kept (``safestage-kept.json``) if a publish fails. The WriteResults carry
-   each file's entry (path, size, CRC-32, global rank) to the coordinator;
+   writes): prepare, once: this process's background saves under the destination land, the
+   destination is created, its commit file and the files that make a stock reader trust it
+   (DCP's ``.metadata``, the HuggingFace index) removed, with the temp files of killed commits;
+3. ``write_data`` (every rank): the inner writer writes the rank's files locally; check, hand
+   off (the copy's record says it is this rank's files of a DCP save: never a checkpoint on its
+   own), publish with CRC-32; the local copy goes once they landed, and is kept if a publish
+   fails. The WriteResults carry each file's entry (path, size, CRC-32, global rank) to the
+   coordinator;
 4. ``finish`` (the coordinator): the entries are stripped off again, so that ``.metadata``
    holds only DCP's own classes (stock torch unpickles it); the inner writer writes
-   ``.metadata`` locally, it is published, and the commit file ``_SAFESTAGE_COMMIT.json``,
-   listing every file of every rank and ``.metadata``, is published last.
+   ``.metadata`` (the HuggingFace writer: its index, or the consolidated files) locally, they
+   are published, and the commit file ``_SAFESTAGE_COMMIT.json``, listing every file of every
+   rank, is published last.
+
+A ``StagedWriter`` holds a configured DCP writer (a ``FileSystemWriter`` or a
+``HuggingFaceStorageWriter``) and, for each save, writes with a copy of it pointed at the
+local directory. ``StagedWriter(dest, ...)`` configures one itself; the switch (staging on:
+``SAFESTAGE_DIR``, ``safestage.staged()``) wraps the writer a ``dcp.save`` was about to use,
+so that a save with DCP's own writer runs these very steps (``under_switch``).
 
 A failure on any rank raises on every rank (DCP gathers each step's exceptions into one
 ``CheckpointException``; ours is a ``safestage.PublishError`` naming the rank and the file),
 ``finish`` is not reached, and no commit file is written: ``safestage.verify(dest).complete``
-is False and ``latest_complete`` skips the directory.
+is False and ``latest_complete`` skips the directory. Each rank's save is a job of this
+process while it runs (``_work``): retention never removes the checkpoint meanwhile.
 
 Importing this module imports torch; ``import safestage`` does not import this module.
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
 import errno
+import functools
 import inspect
 import logging
 import os
+import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -58,22 +71,20 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _config, _save
-from ._clean import remove_dead_temps
-from ._commit import (
-    _discard,
-    _local_name,
-    _mark_disposable,
-    destination_directory,
-    invalidate,
-    publish_manifest,
-)
+from . import _config, _patch, _work
 from ._config import PathArg, Publish, Settings
 from ._errors import PublishError
-from ._manifest import COMMIT_NAME, Crc32, FileEntry, new_manifest, unsafe_path
-from ._names import DISPOSABLE_MARKER
-from ._publish import Published, fsync_directory, publish_file
-from ._stage import SaveDir, StagingRoot, record_kept
+from ._kept import Part
+from ._mounts import is_local_disk
+from ._publish import Published
+from .checkpoint._manifest import FileEntry, unsafe_path
+from .checkpoint._sequence import (
+    VOUCHING,
+    Commit,
+    Tree,
+    destination_directory,
+    refused,
+)
 
 try:  # torch >= 2.4
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -85,12 +96,17 @@ try:  # torch >= 2.7: DCP's HuggingFace (safetensors shards) writer
 except ImportError:  # pragma: no cover - older torch
     HuggingFaceStorageWriter = None  # type: ignore[assignment,misc]
 
-__all__ = ["StagedHuggingFaceWriter", "StagedWriter"]
+__all__ = ["StagedHuggingFaceWriter", "StagedWriter", "unstaged"]
 
 log = logging.getLogger("safestage")
 
 METADATA_NAME = ".metadata"  # DCP's (filesystem._metadata_fn): what dcp.load opens first
 HF_INDEX_NAME = "model.safetensors.index.json"  # the HuggingFace writer's (_hf_utils._metadata_fn)
+# An attribute of a DCP writer that ``unstaged`` sets: it pickles with the writer (the process
+# checkpointer of async_save) and is read by ``under_switch`` in whichever process saves.
+_UNSTAGED = "_safestage_unstaged"
+
+W = TypeVar("W", bound=StorageWriter)
 
 
 @dataclass(frozen=True)
@@ -105,27 +121,21 @@ class _Landed:
 
 @dataclass
 class _Save:
-    """One save on this rank: where it goes, and its local copy while it has one (the data
-    files until they landed; on the coordinator, ``.metadata`` in ``finish``)."""
+    """One save on this rank: its commit (the data files until they landed; on the
+    coordinator, ``.metadata`` in ``finish``), the inner writer, and its job."""
 
-    dest: Path
-    rank: int
-    inner: StorageWriter
-    staging: StagingRoot
-    private: Optional[SaveDir]
-    local: Path
+    commit: Commit
+    inner: Any  # a copy of the StagedWriter's DCP writer, pointed at the local directory
+    job: _work.Job
 
+    @property
+    def dest(self) -> Path:
+        assert self.commit.dest is not None
+        return self.commit.dest
 
-class _LocalFileSystemWriter(FileSystemWriter):
-    """DCP's FileSystemWriter writing into a local directory, whose ``.metadata`` names the
-    destination (``StorageMeta.checkpoint_id``), not the local directory that is gone."""
-
-    def __init__(self, path: Path, public_meta: Any, **options: Any) -> None:
-        super().__init__(path, **options)
-        self._public_meta = public_meta
-
-    def storage_meta(self) -> Any:
-        return self._public_meta
+    @property
+    def rank(self) -> int:
+        return self.commit.part.rank
 
 
 class StagedWriter(StorageWriter):
@@ -153,17 +163,28 @@ class StagedWriter(StorageWriter):
         per_thread_copy_ahead: int = 10_000_000,
     ) -> None:
         super().__init__()
-        self.settings: Settings = _config.resolve(root=root, publish=publish, fsync=fsync)
-        self.dest = Path(os.fspath(dest))
-        self._options: dict[str, Any] = {
-            "thread_count": thread_count,
-            "single_file_per_rank": single_file_per_rank,
-            "per_thread_copy_ahead": per_thread_copy_ahead,
-            # The local copy is not the checkpoint: the publish syncs what lands at dest.
-            "sync_files": False,
-        }
-        self.save_id = str(uuid.uuid4())
+        writer = FileSystemWriter(
+            os.fspath(dest), single_file_per_rank=single_file_per_rank, thread_count=thread_count,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+        )  # fmt: skip
+        self._adopt(writer, _config.resolve(root=root, publish=publish, fsync=fsync))
+
+    def _adopt(self, writer: Any, settings: Settings) -> None:
+        """Stage every save ``writer`` (DCP's FileSystemWriter or HuggingFaceStorageWriter,
+        configured) would make."""
+        self.settings: Settings = settings
+        self._writer = writer
+        self.dest = _destination_of(writer)
+        self.save_id: str = getattr(writer, "save_id", None) or str(uuid.uuid4())
         self._save: Optional[_Save] = None
+
+    @classmethod
+    def _wrapping(cls, writer: Any, settings: Settings) -> StagedWriter:
+        """The StagedWriter the switch puts in place of DCP's own ``writer``."""
+        staged = cls.__new__(cls)
+        StorageWriter.__init__(staged)
+        staged._adopt(writer, settings)
+        return staged
 
     # -- what DCP's process-based async_save pickles: the configuration, never a save's state
 
@@ -186,8 +207,8 @@ class StagedWriter(StorageWriter):
         return FileSystemWriter.validate_checkpoint_id(checkpoint_id)
 
     def reset(self, checkpoint_id: Union[str, os.PathLike[str], None] = None) -> None:
-        if checkpoint_id:
-            self.dest = Path(os.fspath(checkpoint_id))
+        self._writer.reset(checkpoint_id)
+        self.dest = _destination_of(self._writer)
         self.save_id = str(uuid.uuid4())
 
     def storage_meta(self) -> Any:
@@ -203,54 +224,68 @@ class StagedWriter(StorageWriter):
                 f"{self.dest} alone"
             )
         self._abandon()  # an earlier save with this writer that DCP stopped half-way
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        dest = destination_directory(self.dest)
-        staging, private, local = _local_copy(self.settings, dest)
+        commit = Commit(self.dest, self.settings, part=_part())
+        local = commit.open()  # 1. open
+        job = _work.start("commit", commit.dest or self.dest, self)
         try:
             inner = self._inner(local)
-        except BaseException:
-            _discard(private, local)
+        except BaseException as exc:
+            commit.discard()
+            _work.finish(job, error=exc, seen=True)
             raise
-        self._save = _Save(dest, rank, inner, staging, private, local)
+        self._save = _Save(commit, inner, job)
         if "kwargs" in inspect.signature(inner.set_up_storage_writer).parameters:
             inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
         else:  # pragma: no cover - torch < 2.6
             inner.set_up_storage_writer(is_coordinator)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return self._current().inner.prepare_local_plan(plan)
+        save = self._current()
+        self._check_overwrite(save.dest)
+        result: SavePlan = save.inner.prepare_local_plan(plan)
+        return result
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """On the coordinator, before any rank writes: from here on the destination holds no
         commit file and no ``.metadata`` until this save's own land."""
         save = self._current()
         self._check_plans(plans)
-        _prepare_destination(save.dest, self._vouching_files(), fsync=self.settings.fsync)
-        return save.inner.prepare_global_plan(plans)
+        layout = Tree(directories=[self._data_dir] if self._data_dir else [])
+        save.commit.prepare(layout, vouching=VOUCHING)  # 4. prepare, once
+        result: list[SavePlan] = save.inner.prepare_global_plan(plans)
+        return result
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._current()
         started = time.perf_counter()
-        written = save.inner.write_data(plan, planner)
-        written.wait()
-        results: list[WriteResult] = written.value()
+        try:
+            written = save.inner.write_data(plan, planner)
+            written.wait()
+            results: list[WriteResult] = written.value()
+        except BaseException as exc:  # nothing of it was published: nothing worth keeping
+            save.commit.discard()
+            self._end(save, exc)
+            raise
         # Only files a WriteResult points into: an empty bucket's file holds nothing to read.
-        paths = sorted({result.storage_data.relative_path for result in results})
-        entries = self._publish(save, paths)
-        self._close(save)  # landed: nothing of this rank's is left to keep
+        names = sorted({result.storage_data.relative_path for result in results})
+        entries = self._land(save, [self._in_data_dir(save, name) for name in names])
+        # This rank's part ends here (DCP never tells a rank how the save ended: a job left
+        # running would claim the checkpoint for ever); the coordinator's finish is a job too.
+        _work.finish(save.job)
         log.debug(
             "%s: rank %d published %d files, %d bytes in %.3fs", save.dest, save.rank,
-            len(paths), sum(entry.size for entry in entries.values()), time.perf_counter() - started,
+            len(names), sum(entry.size for entry in entries.values()), time.perf_counter() - started,
         )  # fmt: skip
         future: Future[list[WriteResult]] = Future()
         future.set_result(
-            [dataclasses.replace(r, storage_data=_Landed(r.storage_data, entries[r.storage_data.relative_path]))
+            [dataclasses.replace(r, storage_data=_Landed(r.storage_data, entries[self._in_data_dir(save, r.storage_data.relative_path)]))
              for r in results]
         )  # fmt: skip
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         save = self._current()
+        save.job = _work.start("commit", save.dest, self)
         entries: dict[str, FileEntry] = {}
         stripped = []
         for rank_results in results:
@@ -259,46 +294,122 @@ class StagedWriter(StorageWriter):
                 landed: _Landed = result.storage_data
                 other = entries.setdefault(landed.entry.path, landed.entry)
                 if other.rank != landed.entry.rank:
-                    raise PublishError(
+                    error = PublishError(
                         errno.EEXIST,
                         f"safestage.dcp: ranks {other.rank} and {landed.entry.rank} both wrote "
                         f"{save.dest / landed.entry.path}: the checkpoint is not committed (no commit "
                         "file). Give each rank its own file names and save again.",
                         str(save.dest / landed.entry.path),
                     )
+                    self._end(save, error)
+                    raise error
                 plain.append(dataclasses.replace(result, storage_data=landed.info))
             stripped.append(plain)
-        # DCP's own .metadata, written locally by the inner writer, in a fresh local directory
-        save.staging, save.private, save.local = _local_copy(self.settings, save.dest)
-        save.inner.reset(save.local)  # its storage_meta stays the destination's (_LocalFileSystemWriter)
-        save.inner.finish(metadata, stripped)
-        written = sorted(entry.name for entry in os.scandir(save.local) if entry.is_file(follow_symlinks=False))
-        entries.update(self._publish(save, written, landed=sorted(entries)))
-        manifest = new_manifest(list(entries.values()), [], _version())
+        # What the coordinator writes last (DCP's .metadata; the HuggingFace writer's index or
+        # its consolidated files), written locally by the inner writer in a fresh local
+        # directory of the same commit, then published like the ranks' files; the commit file
+        # last.
         try:
-            publish_manifest(manifest, save.private, save.dest, self.settings, save.staging.device)
-        except OSError as exc:
-            raise self._kept(
-                save, exc, COMMIT_NAME, left=written, landed=sorted(entries),
-                what=f"all {len(entries)} files landed, but the commit file {COMMIT_NAME} could not be written",
-            ) from exc  # fmt: skip
-        self._close(save)
-        self._save = None
+            local = save.commit.open()
+            self._point(save.inner, local, reading=save.dest)
+            save.inner.finish(metadata, stripped)
+            written = save.commit.check().paths
+        except BaseException as exc:  # nothing of it was published: nothing worth keeping
+            save.commit.discard()
+            self._end(save, exc)
+            raise
+        entries.update(self._land(save, written, landed=tuple(sorted(entries)), finish=False))
+        try:
+            save.commit.commit_file(list(entries.values()), [])  # 6. the commit file, last
+        except BaseException as exc:
+            save.commit.keep(exc, entries)
+            self._end(save, exc)
+            raise
+        save.commit.finish()
+        self._end(save)
         log.debug("%s: committed %d files of %d ranks", save.dest, len(entries), len(results))
 
-    # -- the per-writer variations (StagedHuggingFaceWriter) -------------------------------
+    # -- the writer's layout ---------------------------------------------------------------
 
-    def _inner(self, local: Path) -> StorageWriter:
-        return _LocalFileSystemWriter(local, self.storage_meta(), **self._options)
+    @property
+    def _consolidating(self) -> bool:
+        """The HuggingFace writer's ``enable_consolidation``: the ranks' shards in
+        ``dest/sharded``, the coordinator's consolidated files and index in ``dest``."""
+        return bool(getattr(self._writer, "enable_consolidation", False))
 
-    def _vouching_files(self) -> tuple[str, ...]:
-        """What, left from an earlier save at the destination, tells a stock reader that the
-        checkpoint there is whole: removed before any rank writes."""
-        return (METADATA_NAME,)
+    @property
+    def _data_dir(self) -> str:
+        """Where the ranks' data files go, relative to ``dest`` ("" for ``dest`` itself)."""
+        relative = os.path.relpath(os.fspath(self._writer.path), self.dest)
+        return "" if relative == "." else relative.replace(os.sep, "/")
+
+    def _in_data_dir(self, save: _Save, name: str) -> str:
+        """A data file's path in the checkpoint: ``name``, as DCP's writer names it (never a
+        path: refused otherwise, before anything of it is published), in the data directory."""
+        problem = unsafe_path(name)
+        if problem is not None or "/" in name:
+            error = PublishError(
+                errno.EINVAL,
+                f"safestage.dcp: rank {save.rank} was asked to write {name!r}, which "
+                f"{problem or 'is in a subdirectory'}; nothing of it was published.",
+                str(save.dest / name),
+            )
+            save.commit.discard()
+            self._end(save, error)
+            raise error
+        return f"{self._data_dir}/{name}" if self._data_dir else name
+
+    def _inner(self, local: Path) -> Any:
+        """A copy of the configured writer, writing into ``local`` as it would into ``dest``;
+        its ``.metadata`` names the destination, not the local directory that is gone."""
+        inner = copy.copy(self._writer)
+        inner.sync_files = False  # the local copy is not the checkpoint: the publish syncs what lands
+        meta = self.storage_meta()
+        inner.storage_meta = lambda: meta
+        self._point(inner, local)
+        return inner
+
+    def _point(self, inner: Any, local: Path, *, reading: Optional[Path] = None) -> None:
+        """Point ``inner`` at ``local``, laid out as ``dest`` (``reading``: in ``finish``,
+        consolidation reads the ranks' shards where they landed, at the destination)."""
+        data = local / self._data_dir if self._data_dir else local
+        if self._consolidating:
+            inner.consolidated_output_path = str(local)
+            if reading is not None and getattr(self._writer, "save_distributed", False):
+                data = reading / self._data_dir
+        os.makedirs(data, exist_ok=True)
+        inner.path = inner.fs.init_path(data)
 
     def _check_plans(self, plans: list[SavePlan]) -> None:
         """Refuse, on the coordinator before anything is written, plans that would make two
-        ranks write one file."""
+        ranks write one file: the HuggingFace writer's rank-0 checkpointing
+        (``save_distributed=False``) names its files the same on every rank."""
+        if HuggingFaceStorageWriter is None or not isinstance(self._writer, HuggingFaceStorageWriter):
+            return
+        writing = [rank for rank, plan in enumerate(plans) if plan.items]
+        if not self._writer.save_distributed and len(writing) > 1:
+            raise PublishError(
+                errno.EINVAL,
+                f"safestage.dcp: ranks {writing} all have data to write to {self.dest} with DCP's "
+                "HuggingFace writer, and with save_distributed=False they would write the same shard "
+                "files. Pass save_distributed=True, or save a full state dict from one rank. "
+                "Nothing was written.",
+                str(self.dest),
+            )
+
+    def _check_overwrite(self, dest: Path) -> None:
+        """DCP's writer, on every rank: an existing checkpoint (``.metadata``) is overwritten
+        with a warning, or refused with ``overwrite=False``. The inner writer sees only its
+        fresh local directory, so the destination is looked at here."""
+        if not os.path.exists(dest / METADATA_NAME):
+            return
+        overwrite = getattr(self._writer, "overwrite", True)
+        if not overwrite:
+            raise RuntimeError(f"Checkpoint already exists and self.overwrite={overwrite}.")
+        warnings.warn(
+            f"Detected an existing checkpoint in {dest}, overwriting since self.overwrite={overwrite}.",
+            stacklevel=2,
+        )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -310,78 +421,68 @@ class StagedWriter(StorageWriter):
             )
         return self._save
 
-    def _publish(self, save: _Save, paths: list[str], *, landed: Optional[list[str]] = None) -> dict[str, FileEntry]:
-        """Publish ``paths`` (relative to the local directory) to the destination, one after
-        the other; on a failure keep the local copy and raise a PublishError naming the rank."""
-        entries: dict[str, FileEntry] = {}
-        before = list(landed or [])
-        assert save.private is not None, "publish without a local copy"
-        for path in paths:
-            problem = unsafe_path(path)
-            if problem is not None or "/" in path:
-                raise PublishError(
-                    errno.EINVAL,
-                    f"safestage.dcp: rank {save.rank} was asked to write {path!r}, which "
-                    f"{problem or 'is in a subdirectory'}; nothing of it was published.",
-                    str(save.local / path),
-                )
-        if paths:  # from now on the local copy may be needed: kept, not swept
-            record_kept(save.private.path, save.dest, save.local, left=paths, landed=before, commit_file=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(save.private / DISPOSABLE_MARKER)
-        for path in paths:
-            try:
-                result: Published = publish_file(
-                    save.local / path,
-                    save.dest / path,
-                    publish=self.settings.publish,
-                    fsync=self.settings.fsync,
-                    staging_device=save.staging.device,
-                    digest=Crc32,
-                )
-            except OSError as exc:
-                left = [p for p in paths if p not in entries]
-                raise self._kept(
-                    save, exc, path, left=left, landed=before + sorted(entries),
-                    what=f"{path} could not be published ({len(entries)} of its {len(paths)} files landed)",
-                ) from exc  # fmt: skip
-            entries[path] = FileEntry(path, result.nbytes, result.digest or "", save.rank)
-        with contextlib.suppress(OSError):  # landed: a kill from here on leaves junk only
-            _mark_disposable(save.private)
-        return entries
+    def _land(
+        self, save: _Save, paths: list[str], *, landed: tuple[str, ...] = (), finish: bool = True
+    ) -> dict[str, FileEntry]:
+        """Steps 2, 3, 5 and 7 for ``paths`` (relative to the local directory): checked, handed
+        off, published, and the local copy removed (``finish``) or kept with a PublishError
+        naming the rank."""
+        commit = save.commit
+        published: dict[str, Published] = {}
+        tree: Optional[Tree] = None
+        try:
+            tree = commit.check(paths)
+            commit.hand_off(tree, landed=landed)  # from now on the local copy may be needed: kept
+            failed = commit.publish(tree, published)
+        except BaseException as exc:
+            if tree is None or refused(exc):  # refused before anything was published: not worth keeping
+                commit.discard()
+            else:
+                commit.keep(exc, published, tree)
+            if isinstance(exc, PublishError) and refused(exc):
+                code = exc.errno or errno.EINVAL
+                exc = PublishError(
+                    code, f"safestage.dcp: rank {save.rank} could not save {save.dest}: [Errno {code}] "
+                    f"{os.strerror(code)}: {exc}", exc.filename, step=exc.step, landed=(),
+                )  # fmt: skip
+                self._end(save, exc)
+                raise exc from None
+            self._end(save, exc)
+            raise
+        if failed is not None:
+            commit.keep(failed, published, tree)
+            error = self._kept_error(save, failed, landed)
+            self._end(save, error)
+            raise error from failed
+        if finish:
+            commit.finish()
+        return {
+            path: FileEntry(path, result.nbytes, result.digest or "", save.rank)
+            for path, result in published.items()
+        }
 
-    def _kept(
-        self, save: _Save, exc: OSError, path: str, *, left: list[str], landed: list[str], what: str
+    def _kept_error(
+        self, save: _Save, failed: BaseException, landed: tuple[str, ...]
     ) -> PublishError:
-        """Keep this rank's local copy, with a record of what it is for, and say so."""
-        assert save.private is not None
-        record_kept(save.private.path, save.dest, save.local, left=left, landed=landed, commit_file=True, error=exc)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(save.private / DISPOSABLE_MARKER)
-        save.private.release()
-        save.private = None  # kept: no longer this writer's to remove
-        self._save = None
-        code = exc.errno or errno.EIO
+        code = getattr(failed, "errno", None) or errno.EIO
+        local = save.commit.local
+        # ``failed`` is the commit's own error (_sequence), which says what landed and what
+        # becomes of this rank's files.
         return PublishError(
             code,
-            f"safestage.dcp: rank {save.rank} could not save {save.dest}: {what}: "
-            f"[Errno {code}] {os.strerror(code)} ({exc}). No commit file is written: {save.dest} "
-            f"is not complete (verify and latest_complete say so). This rank's files are kept "
-            f"in {save.local}; fix the destination and save the checkpoint again.",
-            str(save.dest / path),
-            staged_path=str(save.local),
-            step=getattr(exc, "step", None),
-            landed=tuple(sorted(landed)),
-            not_landed=tuple(sorted(left)),
+            f"safestage.dcp: rank {save.rank} could not save {save.dest}: {failed}",
+            str(save.dest),
+            staged_path=None if local is None else str(local),
+            step=getattr(failed, "step", None),
+            landed=tuple(sorted({*landed, *(getattr(failed, "landed", None) or ())})),
+            not_landed=getattr(failed, "not_landed", None),
         )
 
-    def _close(self, save: _Save) -> None:
-        """Remove the local copy (its files landed)."""
-        private, save.private = save.private, None
-        if private is not None:
-            with contextlib.suppress(OSError):
-                _mark_disposable(private)
-            _discard(private, save.local)
+    def _end(self, save: _Save, error: Optional[BaseException] = None) -> None:
+        """This rank's part of the save is over: landed, or failed (raised to DCP)."""
+        if not save.job.finished:
+            _work.finish(save.job, error=error, seen=True)
+        self._save = None
 
     def _abandon(self) -> None:
         """Remove what a save DCP stopped before this rank published (another rank's planning
@@ -389,7 +490,24 @@ class StagedWriter(StorageWriter):
         was kept already, and is no longer this writer's)."""
         save, self._save = self._save, None
         if save is not None:
-            self._close(save)
+            save.commit.discard()
+            if not save.job.finished:
+                _work.finish(save.job, seen=True)
+
+
+def _part() -> Part:
+    """This rank's files of a DCP save: never a checkpoint on their own."""
+    if dist.is_available() and dist.is_initialized():
+        return Part("dcp", dist.get_rank(), dist.get_world_size())
+    return Part("dcp", 0, 1)
+
+
+def _destination_of(writer: Any) -> Path:
+    """The checkpoint directory a DCP writer writes: its ``path``, or, for the HuggingFace
+    writer consolidating, the directory of the consolidated files (the shards go below it)."""
+    if getattr(writer, "enable_consolidation", False) and getattr(writer, "consolidated_output_path", None):
+        return Path(writer.consolidated_output_path)
+    return Path(os.fspath(writer.path))
 
 
 class StagedHuggingFaceWriter(StagedWriter):
@@ -398,9 +516,11 @@ class StagedHuggingFaceWriter(StagedWriter):
 
     ``save_distributed=False`` (the writer's default): the coordinator holds the full state
     dict and writes the shards and the index; ``True``: every rank writes its own
-    ``shard-<rank>-model-*.safetensors`` and no index. DCP's consolidation of sharded files
-    (``enable_consolidation``) reads every rank's files from one directory, which the local
-    staging does not have: not offered."""
+    ``shard-<rank>-model-*.safetensors`` and no index. ``enable_consolidation=True`` (with
+    ``save_distributed=True``): the ranks' shards go to ``dest/sharded`` and, once they have
+    all landed, the coordinator consolidates them, reading them at the destination, into
+    full ``model-*.safetensors`` files and their index in ``dest``, published before the
+    commit file."""
 
     def __init__(
         self,
@@ -411,81 +531,107 @@ class StagedHuggingFaceWriter(StagedWriter):
         fsync: bool = True,
         fqn_to_index_mapping: Optional[dict[str, int]] = None,
         save_distributed: bool = False,
+        enable_consolidation: bool = False,
         thread_count: int = 1,
     ) -> None:
         if HuggingFaceStorageWriter is None:  # pragma: no cover - torch < 2.7
-            raise ImportError("safestage.dcp.StagedHuggingFaceWriter needs torch >= 2.7 (hf_storage)")
-        super().__init__(dest, root, publish=publish, fsync=fsync)
-        self._options = {
-            "fqn_to_index_mapping": fqn_to_index_mapping,
-            "save_distributed": save_distributed,
-            "thread_count": thread_count,
-        }
-
-    def _inner(self, local: Path) -> StorageWriter:
-        return HuggingFaceStorageWriter(str(local), **self._options)
-
-    def _vouching_files(self) -> tuple[str, ...]:
-        return (HF_INDEX_NAME, METADATA_NAME)
-
-    def _check_plans(self, plans: list[SavePlan]) -> None:
-        writing = [rank for rank, plan in enumerate(plans) if plan.items]
-        if not self._options["save_distributed"] and len(writing) > 1:
-            raise PublishError(
-                errno.EINVAL,
-                f"safestage.dcp.StagedHuggingFaceWriter: ranks {writing} all have data to write to "
-                f"{self.dest}, and with save_distributed=False they would write the same shard files. "
-                "Pass save_distributed=True, or save a full state dict from one rank. Nothing was "
-                "written.",
-                str(self.dest),
+            raise ImportError(
+                "safestage.dcp.StagedHuggingFaceWriter needs torch >= 2.7 (hf_storage)"
             )
+        StorageWriter.__init__(self)
+        writer = HuggingFaceStorageWriter(
+            os.fspath(dest), fqn_to_index_mapping=fqn_to_index_mapping, thread_count=thread_count,
+            save_distributed=save_distributed, enable_consolidation=enable_consolidation,
+        )  # fmt: skip
+        self._adopt(writer, _config.resolve(root=root, publish=publish, fsync=fsync))
 
 
-def _local_copy(settings: Settings, dest: Path) -> tuple[StagingRoot, SaveDir, Path]:
-    """A fresh local directory, named like ``dest``, in a private save directory under this
-    rank's staging root; disposable (swept if the process dies) until its files are published."""
-    staging, private = _save.save_dir(settings)
-    local = private / _local_name(dest.name)
+def unstaged(writer: W) -> W:
+    """``writer`` (DCP's ``FileSystemWriter`` or ``HuggingFaceStorageWriter``), marked to write
+    in place, as DCP's own writer does, even while staging is on: the switch leaves the saves
+    it makes alone. Returns the same writer:
+
+        dcp.save(state, storage_writer=safestage.dcp.unstaged(FileSystemWriter("/local/ckpt")))
+
+    The mark travels with the writer (``async_save``'s checkpoint process unpickles it)."""
+    setattr(writer, _UNSTAGED, True)
+    return writer
+
+
+# -- the switch: DCP's own writers, staged ---------------------------------------------------------
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def under_switch(
+    save_state_dict: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], settings: Settings
+) -> Any:
+    """DCP's ``_save_state_dict`` (what ``dcp.save``, ``dcp.async_save``'s save in its thread
+    or process and ``torch_save_to_dcp`` call, with the writer ``dcp.save`` chose or was
+    given) while staging is on: a writer ``staged_for`` takes is replaced by a StagedWriter
+    wrapping it, with the open stage's settings; any other passes through."""
+    bound = _signature(save_state_dict).bind(*args, **kwargs)
+    writer = bound.arguments.get("storage_writer")
+    staged = staged_for(writer, settings, use_collectives=bound.arguments.get("use_collectives", True))
+    if staged is None:
+        return save_state_dict(*args, **kwargs)
+    bound.arguments["storage_writer"] = staged
+    log.debug("dcp.save of %s: staged (%s)", staged.dest, type(writer).__name__)
+    return save_state_dict(*bound.args, **bound.kwargs)
+
+
+@functools.cache
+def _signature(function: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+def _covered() -> tuple[type, ...]:
+    return (FileSystemWriter,) if HuggingFaceStorageWriter is None else (FileSystemWriter, HuggingFaceStorageWriter)
+
+
+def staged_for(writer: Any, settings: Settings, *, use_collectives: bool = True) -> Optional[StagedWriter]:
+    """The StagedWriter that saves what ``writer`` would, or None where the switch leaves the
+    save to ``writer``: a writer other than DCP's own two (a subclass may write anywhere:
+    WARNING once per class), one marked ``unstaged``, ``use_collectives=False`` (every rank its
+    own coordinator: WARNING once), a destination inside a directory that is staging already
+    (``staged_dir``'s local directory), a local disk with ``skip_local_disk``, or a path whose
+    parents cannot be made (DCP then raises its own error)."""
+    if type(writer) not in _covered():
+        if isinstance(writer, FileSystemWriter):
+            _warn_once(
+                f"class:{type(writer).__module__}.{type(writer).__qualname__}",
+                f"dcp.save with {type(writer).__qualname__}, a subclass of DCP's FileSystemWriter, "
+                "is not staged (its overrides may write outside its directory): it writes in place. "
+                "Stage it by saving with DCP's own FileSystemWriter, or into safestage.staged_dir",
+            )
+        return None
+    if writer.__dict__.get(_UNSTAGED, False):
+        return None
+    if not use_collectives:
+        _warn_once(
+            "use_collectives",
+            "dcp.save(use_collectives=False) is not staged (every rank is its own coordinator and "
+            "writes its own .metadata): it writes in place",
+        )
+        return None
+    dest = _destination_of(writer)
     try:
-        _mark_disposable(private)
-        os.mkdir(local)
-    except BaseException:
-        _discard(private, local)
-        raise
-    return staging, private, local
+        # DCP's writer makes the checkpoint's parents itself (prepare_local_plan); so does the switch.
+        os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+        real = destination_directory(dest)
+    except OSError:
+        return None  # DCP's writer then fails as it would have
+    if _patch.in_unstaged_dir(real):
+        return None  # staged_dir's (or staged_file's) local directory: its owner commits it
+    if settings.skip_local_disk and is_local_disk(real.parent):
+        return None
+    return StagedWriter._wrapping(writer, settings)
 
 
-def _prepare_destination(dest: Path, vouching: tuple[str, ...], *, fsync: bool) -> None:
-    """Create ``dest``; remove its commit file, then the files that make a stock reader trust
-    it (DCP's ``.metadata``), then the temp files of killed commits."""
-    step = "mkdir"
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(dest)
-        step = "invalidate"
-        invalidate(dest, fsync=fsync)
-        removed = False
-        for name in vouching:
-            try:
-                os.unlink(dest / name)
-                removed = True
-            except FileNotFoundError:
-                pass
-        if removed and fsync:
-            fsync_directory(dest)
-    except OSError as exc:
-        raise PublishError(
-            exc.errno,
-            f"safestage.dcp could not prepare {dest} (step {step}): [Errno {exc.errno}] "
-            f"{exc.strerror} ({exc.filename or dest}). No rank has written anything; fix the "
-            "destination and save again.",
-            str(exc.filename or dest),
-            step=step,
-        ) from exc
-    remove_dead_temps(dest)
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
+def _warn_once(key: str, message: str) -> None:
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning("%s", message)

@@ -35,17 +35,21 @@ S3 mounts, mountpoint-s3) copies the checkpoint through the plugin instead of
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Union
 
-from . import _background, _config, _patch, _save
-from ._config import PathArg, Publish
+from . import _config, _patch, _save, _work
+from ._config import PathArg, Publish, Settings
 from ._errors import ConfigError
+from ._mounts import is_local_disk
 from ._paths import resolve_destination
 from ._stage import PublishRecord
+from .checkpoint._sequence import destination_directory
+from .checkpoint._staged_dir import staged_dir
 
 try:  # the unified package first: ``import lightning as L``
     from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -108,16 +112,22 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 " StagedCheckpointIO(..., background=True) (serialized on the training thread,"
                 " published in the background, top-k removal in order)."
             )
-        self.settings = _config.resolve(root=root, publish=publish, fsync=fsync, background=background)
-        _save.staging_root(self.settings, opening=True)  # a bad root fails here; checked once per process
-        self.checkpoint_io: CheckpointIO = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
+        self.settings = _config.resolve(
+            root=root, publish=publish, fsync=fsync, background=background
+        )
+        _save.staging_root(
+            self.settings, opening=True
+        )  # a bad root fails here; checked once per process
+        self.checkpoint_io: CheckpointIO = (
+            checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
+        )
         self.records: list[PublishRecord] = []
-        _background.adopt(self)  # its saves may publish in the background in this process
+        _work.adopt(self)  # its saves may publish in the background in this process
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None
     ) -> None:
-        _background.wait(self, finished_only=True)  # a failed background publish, raised here
+        _work.wait(self, finished_only=True)  # a failed background publish, raised here
         local = _local_path(path)
         if local is None:  # s3://, gs://, ...: the wrapped plugin's business
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
@@ -138,7 +148,9 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
                     with open(staged, "wb") as stream:  # a stream, as _atomic_save's BytesIO
                         _patch.run_torch_writer(lambda: _torch_save(checkpoint, stream), staged)
                 else:
-                    self.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options=storage_options)
+                    self.checkpoint_io.save_checkpoint(
+                        checkpoint, staged, storage_options=storage_options
+                    )
 
         _save.run(write, _save.destination(local), self.settings, owner=self, record=self._record)
 
@@ -149,8 +161,8 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         path = args[0] if args else kwargs.get("path")
         local = _local_path(path) if path is not None else None
         if local is not None:
-            _background.settle(_key(local))
-            _background.wait(self, finished_only=True)  # raises the PublishError
+            _work.settle(_key(local))
+            _work.wait(self, finished_only=True)  # raises the PublishError
         result: dict[str, Any] = self.checkpoint_io.load_checkpoint(*args, **kwargs)
         return result
 
@@ -163,22 +175,22 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         # ModelCheckpoint removes the checkpoint a new one replaces right after saving the new
         # one: never before the new one has landed (Megatron-Bridge#5184, for one file), and
         # not at all if it failed (raised here, the old one stays).
-        _background.settle(owner=self)
-        _background.wait(self, finished_only=True)
+        _work.settle(owner=self)
+        _work.wait(self, finished_only=True)
         local = _local_path(path)
         if local is None:
             self.checkpoint_io.remove_checkpoint(path)
             return
-        _save.when_saved(_key(local), lambda: self.checkpoint_io.remove_checkpoint(path))
+        _work.when_idle(_key(local), lambda: self.checkpoint_io.remove_checkpoint(path))
 
     def teardown(self) -> None:
         """Wait for this plugin's background publishes, raising the first error, and end the
         publishing threads if nothing else is publishing (the Trainer calls it when fit ends;
         with Fabric, call ``safestage.wait()``)."""
         try:
-            _background.wait(self)
+            _work.wait(self)
         finally:
-            _background.end_threads()
+            _work.end_threads()
             self.checkpoint_io.teardown()
 
     def _link(self, trainer: Any, filepath: str, linkpath: str) -> None:
@@ -187,7 +199,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             _settle(filepath)  # the checkpoint is there before it is linked or copied,
             _settle(linkpath)  # and an earlier publish of the link cannot land over it
-            _background.wait(self, finished_only=True)  # a failed one: raised, never copied
+            _work.wait(self, finished_only=True)  # a failed one: raised, never copied
             if os.path.islink(linkpath) or os.path.isfile(linkpath):
                 os.remove(linkpath)
             elif os.path.isdir(linkpath):
@@ -202,15 +214,19 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 def copy(staged: str) -> None:
                     shutil.copyfile(filepath, staged)
 
-                _save.run(copy, _save.destination(local), self.settings, owner=self, record=self._record)
+                _save.run(
+                    copy, _save.destination(local), self.settings, owner=self, record=self._record
+                )
         trainer.strategy.barrier()
 
     def _record(self, record: PublishRecord) -> None:
         self.records.append(record)  # list.append is atomic: publish workers call it too
 
-    def __setstate__(self, state: dict[str, Any]) -> None:  # Lightning's spawn strategies pickle plugins
+    def __setstate__(
+        self, state: dict[str, Any]
+    ) -> None:  # Lightning's spawn strategies pickle plugins
         self.__dict__.update(state)
-        _background.adopt(self)
+        _work.adopt(self)
 
     def __repr__(self) -> str:
         return (
@@ -219,6 +235,74 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
             f"background={self.settings.background}, "
             f"checkpoint_io={type(self.checkpoint_io).__name__}, records={len(self.records)})"
         )
+
+
+# -- sharded checkpoints under the switch ----------------------------------------------------------
+
+
+def sharded_save(
+    wrapped: Any, strategy: Any, args: tuple[Any, ...], kwargs: dict[str, Any], settings: Settings
+) -> Any:
+    """``save_checkpoint`` of Lightning's FSDP and ModelParallel strategies (Trainer and
+    Fabric) while staging is on: a sharded checkpoint is one collective commit.
+
+    Lightning's sharded save bypasses the CheckpointIO: every rank ``dcp.save``s its shards
+    into the checkpoint directory, then rank 0 ``torch.save``s ``meta.pt``, whose presence is
+    what makes the directory a checkpoint to Lightning (``_is_sharded_checkpoint``). Here the
+    strategy's own save writes into each rank's local directory of one
+    ``staged_dir(dest, group=WORLD)`` (DCP's writer, there, writes locally: a directory that is
+    staging already), so that the ``.distcp`` files, ``.metadata`` and ``meta.pt`` land
+    together, under one commit file written last; the previous commit file, ``.metadata`` and
+    ``meta.pt`` are removed before any of them is published. Full checkpoints (Lightning saves
+    them through its CheckpointIO) and saves inside a directory that is staging already pass
+    through. Rank 0 decides, for every rank: the strategy broadcasts the path first anyway."""
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    name = "filepath" if "filepath" in bound.arguments else "path"  # the Trainer's, Fabric's
+    sharded = getattr(strategy, "_state_dict_type", None) == "sharded" or getattr(
+        strategy, "_save_distributed_checkpoint", False
+    )
+    if not sharded or bound.arguments.get("storage_options") is not None:
+        return wrapped(*args, **kwargs)  # full: its CheckpointIO; storage_options: Lightning refuses
+    path = _local_path(bound.arguments[name])
+    dest, staged = strategy.broadcast((path, path is not None and _commits(path, settings)))
+    if not staged:
+        return wrapped(*args, **kwargs)
+    import torch.distributed as dist
+
+    world = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    with staged_dir(dest, settings.root, publish=settings.publish, fsync=settings.fsync,
+                    group=dist.group.WORLD if world else None) as local:  # fmt: skip
+        bound.arguments[name] = local
+        broadcast = strategy.broadcast
+
+        def own(obj: Any, src: int = 0) -> Any:
+            # The strategy broadcasts rank 0's path to every rank first: each rank writes into
+            # its own local directory instead (they differ, on one node too).
+            return obj if obj is local else broadcast(obj, src)
+
+        strategy.broadcast = own
+        try:
+            return wrapped(*bound.args, **bound.kwargs)
+        finally:
+            del strategy.broadcast  # the class's method again
+
+
+def _commits(local: str, settings: Settings) -> bool:
+    """Whether a sharded save to the local path ``local`` is committed (rank 0's verdict is
+    every rank's): not inside a directory that is staging already, not a local disk with
+    ``skip_local_disk``. As Lightning's save does, its parents are made and a file there is
+    replaced by the checkpoint directory."""
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
+        if os.path.isfile(local) and not os.path.islink(local):
+            os.unlink(local)  # a full checkpoint saved there before: Lightning unlinks it too
+    try:
+        real = destination_directory(local)
+    except OSError:
+        return False  # Lightning's own save then fails as it would
+    if _patch.in_unstaged_dir(real):
+        return False
+    return not (settings.skip_local_disk and is_local_disk(real.parent))
 
 
 def _torch_save(checkpoint: dict[str, Any], stream: Any) -> None:
@@ -241,18 +325,21 @@ def _local_path(path: Any) -> Optional[str]:
     text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)
     if get_protocol(text) != "file":
         return None
-    return text[len("file://"):] if text.startswith("file://") else text
+    return text[len("file://") :] if text.startswith("file://") else text
 
 
 def _settle(path: Any) -> None:
     """Wait for a pending background publish of the checkpoint ``path`` (none: at once)."""
     local = _local_path(path)
     if local is not None:
-        _background.settle(_key(local))
+        _work.settle(_key(local))
 
 
 def _is_async(checkpoint_io: Optional[CheckpointIO]) -> bool:
-    for name in ("lightning.pytorch.plugins.io.async_plugin", "pytorch_lightning.plugins.io.async_plugin"):
+    for name in (
+        "lightning.pytorch.plugins.io.async_plugin",
+        "pytorch_lightning.plugins.io.async_plugin",
+    ):
         module = sys.modules.get(name)  # not imported: nobody made one
         if module is not None and isinstance(checkpoint_io, module.AsyncCheckpointIO):
             return True
@@ -266,7 +353,9 @@ def _file_exists(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dic
     return wrapped(*args, **kwargs)
 
 
-def _link_checkpoint(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _link_checkpoint(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     def parts(trainer: Any, filepath: str, linkpath: str) -> tuple[Any, str, str]:
         return trainer, filepath, linkpath
 
@@ -295,8 +384,10 @@ def _register_with_other_base(module: Any) -> None:
 
 import wrapt  # noqa: E402 - after the names its hooks use
 
-for _name in ("lightning.pytorch.callbacks.model_checkpoint", "pytorch_lightning.callbacks.model_checkpoint"):
+for _name in (
+    "lightning.pytorch.callbacks.model_checkpoint",
+    "pytorch_lightning.callbacks.model_checkpoint",
+):
     wrapt.register_post_import_hook(_wrap_model_checkpoint, _name)
 if _OTHER_BASE:
     wrapt.register_post_import_hook(_register_with_other_base, _OTHER_BASE)
-

@@ -52,8 +52,8 @@ from transformers import TrainerCallback
 
 from ._config import PathArg, Publish
 from ._errors import ConfigError, PublishError
-from ._manifest import Manifest
 from ._paths import real_directory
+from .checkpoint._manifest import Manifest
 
 __all__ = ["CommitCallback"]
 
@@ -97,36 +97,37 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         keep: Optional[int] = None,
         background: bool = False,
     ) -> None:
-        from . import _background, _config, _prune
+        from . import _config, _work
+        from .checkpoint import _prune
 
-        _config.resolve(root=root, publish=publish, fsync=fsync)  # ConfigError now, not at step N
+        self._settings = _config.resolve(
+            root=root, publish=publish, fsync=fsync
+        )  # ConfigError now, not at step N
         if not isinstance(background, bool):
             raise ConfigError(
                 f"safestage.transformers.CommitCallback: background={background!r}: expected True "
                 "(commit on a safestage thread, one at a time) or False"
             )
-        self._root = root
-        self._publish = publish
-        self._fsync = fsync
         self._background = background
         self._retention = (
             None if keep is None
             else _prune.Retention(_prune.check_keep(keep, "safestage.transformers.CommitCallback"), f"{_PREFIX}-*")
         )  # fmt: skip
         self.committed: list[tuple[Path, Manifest, float]] = []
-        _background.adopt(self)  # its commits may run in the background in this process only
+        self._started: Optional[float] = None  # when the Trainer began writing the checkpoint
+        _work.adopt(self)  # its commits may run in the background in this process only
 
     # -- the Trainer's events -------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from . import _background
+        from . import _work
 
-        _background.adopt(self)  # also when made in another process (unpickled, forked)
+        _work.adopt(self)  # also when made in another process (unpickled, forked)
         if args.should_save and args.save_total_limit is not None and args.save_total_limit > 0:
             self._warn_rotation(args.save_total_limit)
         if state.global_step > 0 and args.should_save:
             resumed = self._checkpoint(args, state)
-            from ._verify import verify
+            from .checkpoint._verify import verify
 
             if resumed.is_dir() and not verify(resumed).complete:
                 log.warning(
@@ -150,13 +151,13 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
             self._wait_for_commit("before the Trainer saves again")
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from . import _background
+        from . import _work
 
         checkpoint = self._checkpoint(args, state)
         self._wait_for_commit("at the next on_save")  # landed before the next one, or raised
         # This rank's background publishes (SAFESTAGE_BACKGROUND) have landed or failed; a
         # failure is raised unless it is a file of a checkpoint the rotation deleted.
-        _raise_unless_rotated(_background.failures(), checkpoint)
+        _raise_unless_rotated(_work.failures(), checkpoint)
         _barrier()  # every rank has written its files
         if not args.should_save:
             return
@@ -165,7 +166,9 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
             # checkpoint it has just written: it keeps the highest step numbers when directory
             # mtimes are less than 1 s apart, and a run resumed from an older checkpoint writes
             # lower ones. Nothing to commit; the Trainer decided.
-            log.warning("%s: not there any more (removed by save_total_limit?): not committed", checkpoint)
+            log.warning(
+                "%s: not there any more (removed by save_total_limit?): not committed", checkpoint
+            )
             return
         if _rotated(checkpoint):
             # The rotation deleted it while files of it were still publishing in the background:
@@ -178,16 +181,19 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
             )  # fmt: skip
             return
         spare = self._best(state)
-        if self._background and _background.may_defer(self):
+        dest = real_directory(checkpoint) or checkpoint
+        started, self._started = self._started, None  # this checkpoint's; the next sets its own
+        work = functools.partial(self._commit, checkpoint, dest, spare, started)
+        if self._background and _work.may_defer(self):
             # The Trainer has written every file (the barrier above): reading them back and
             # writing the commit file go on on a safestage thread while training goes on. One
             # at a time: the next save waits for it first (_before_save, on_save).
-            _background.publisher().submit(
-                functools.partial(self._commit, checkpoint, spare), real_directory(checkpoint) or checkpoint,
-                max_pending=1, owner=self, kind="commit", not_started=lambda exc: None,
-            )  # fmt: skip
+            _work.submit(work, "commit", dest, self, limit=1, not_started=lambda exc: None)
             return
-        self._commit(checkpoint, spare)
+        with _work.running(
+            "commit", dest, self
+        ):  # a prune of this process never removes it meanwhile
+            work()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._wait_for_commit("at the end of training")  # the last checkpoint has landed, or raised
@@ -197,24 +203,23 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
     def _checkpoint(self, args: Any, state: Any) -> Path:
         return Path(args.output_dir) / f"{_PREFIX}-{state.global_step}"
 
-    def _commit(self, checkpoint: Path, spare: dict[Path, str]) -> None:
+    def _commit(
+        self, checkpoint: Path, dest: Path, spare: dict[Path, str], started: Optional[float]
+    ) -> None:
         """Commit ``checkpoint`` in place, then (keep=N) prune its siblings: on the Trainer's
         thread, or on a safestage thread (background=True)."""
-        from . import _inflight
-        from ._in_place import commit_in_place
+        from .checkpoint._in_place import commit_written
 
-        dest = real_directory(checkpoint) or checkpoint
-        started = time.perf_counter()
-        with _inflight.committing(dest):  # a prune of this process never removes it meanwhile
-            manifest = commit_in_place(checkpoint, self._root, publish=self._publish, fsync=self._fsync)
-        seconds = time.perf_counter() - started
+        began = time.perf_counter()
+        manifest = commit_written(
+            dest, self._settings, started=started, retention=self._retention, spare=spare
+        )
+        seconds = time.perf_counter() - began
         self.committed.append((checkpoint, manifest, seconds))
         log.info(
             "%s: committed (%d files, %d bytes) in %.3fs",
             checkpoint, len(manifest.files), manifest.total_bytes, seconds,
         )  # fmt: skip
-        if self._retention is not None:  # only now that its commit file has landed; never raises
-            self._retention.after_commit(dest, Path(self._root) if self._root is not None else None, spare=spare)
 
     def _best(self, state: Any) -> dict[Path, str]:
         """The Trainer's best checkpoint (``load_best_model_at_end`` loads it at the end, and the
@@ -223,17 +228,23 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         if not best:
             return {}
         path = real_directory(best)
-        return {} if path is None else {path: "the Trainer's best_model_checkpoint (load_best_model_at_end loads it)"}
+        return (
+            {}
+            if path is None
+            else {path: "the Trainer's best_model_checkpoint (load_best_model_at_end loads it)"}
+        )
 
     def _wait_for_commit(self, where: str) -> None:
         """Wait for this callback's background commit, if one is in flight; raise its error."""
-        from . import _background
+        from . import _work
 
         try:
-            _background.wait(self)
+            _work.wait(self)
         except BaseException as exc:
             if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(f"safestage: raised {where}: the background commit of a checkpoint failed")
+                exc.add_note(
+                    f"safestage: raised {where}: the background commit of a checkpoint failed"
+                )
             raise
 
     def _warn_rotation(self, limit: int) -> None:
@@ -244,7 +255,9 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
             what = (f"save_total_limit={limit} counts checkpoint-* directories whether committed or not, "
                     "so it can delete the newest complete checkpoint while a newer one is still being "
                     "written or committed (Megatron-Bridge#5184)")  # fmt: skip
-        keep = "" if self._retention is None else f" (keep={self._retention.keep} is set: both rotate)"
+        keep = (
+            "" if self._retention is None else f" (keep={self._retention.keep} is set: both rotate)"
+        )
         log.warning(
             "%s: the Trainer rotates before on_save, before the checkpoint it has just written is "
             "committed%s. Use save_total_limit=None and CommitCallback(keep=%d): safestage prunes "
@@ -258,11 +271,12 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         # The previous background commit lands first: the Trainer's writes, its rotation and
         # the removal below must not run under its read-back or its prune.
         self._wait_for_commit("before the Trainer saves again")
+        self._started = time.time()  # the save's start: its place in the run's timeline (_timeline)
         if args.should_save:
-            from ._commit import invalidate
+            from .checkpoint._sequence import invalidate
 
             checkpoint = self._checkpoint(args, state)
-            if checkpoint.is_dir() and invalidate(checkpoint, fsync=self._fsync):
+            if checkpoint.is_dir() and invalidate(checkpoint, fsync=self._settings.fsync):
                 log.info("%s is being rewritten: its commit file was removed first", checkpoint)
         _barrier()
 
@@ -281,7 +295,7 @@ def _raise_unless_rotated(failures: list[BaseException], checkpoint: Path) -> No
     publishing a file of ``checkpoint`` after the Trainer deleted it. Those are a WARNING and
     their kept copies are discarded (the Trainer deleted what they were for). Any other
     ENOENT (a destination nobody removed) is still raised."""
-    from ._stage import discard_kept
+    from ._kept import discard_for
 
     dropped = [
         error for error in failures
@@ -290,7 +304,11 @@ def _raise_unless_rotated(failures: list[BaseException], checkpoint: Path) -> No
     ]  # fmt: skip
     if dropped and _rotated(checkpoint):
         names = ", ".join(sorted(Path(error.filename).name for error in dropped))
-        kept = [error.staged_path for error in dropped if error.staged_path and not discard_kept(error)]
+        kept = [
+            error.staged_path
+            for error in dropped
+            if error.staged_path and not discard_for(error.staged_path)
+        ]
         log.warning(
             "%s: removed by save_total_limit while %s was still publishing (SAFESTAGE_BACKGROUND): "
             "not published, the Trainer deleted its checkpoint%s",

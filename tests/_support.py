@@ -22,6 +22,27 @@ from safestage import COMMIT_NAME
 
 CALIBRATION_RUNS = 3
 
+# The suite's own SAFESTAGE_* knobs (conftest.SUITE_VARIABLES), filled by conftest's
+# pytest_configure from the caller's environment before it clears SAFESTAGE_* there.
+SUITE_SETTINGS: dict[str, str] = {}
+LONG_VARIABLE = "SAFESTAGE_LONG"
+
+
+def long_tier() -> bool:
+    """Whether this run is the long tier (SAFESTAGE_LONG=1): every release, version, client and
+    mount of the expensive matrices. CI (unset or 0) runs each promise at the endpoints of its
+    matrix; what it leaves out is not collected, never skipped."""
+    text = SUITE_SETTINGS.get(LONG_VARIABLE, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{LONG_VARIABLE}={text!r}: expected 1 (the long tier) or 0")
+    return text == "1"
+
+
+def tiered(every: list[Any], *, ci: list[Any]) -> list[Any]:
+    """The parameters of a matrix: ``every`` one in the long tier, the ``ci`` ones otherwise."""
+    assert ci and all(value in every for value in ci), (ci, every)
+    return list(every) if long_tier() else [value for value in every if value in ci]
+
 
 EXTRA_TRIALS = 24
 
@@ -29,9 +50,7 @@ EXTRA_TRIALS = 24
 def files_at_once(stage: safestage.StagedDir, count: int) -> safestage.StagedDir:
     """``stage`` with ``count`` files publishing at once (two in the library): a test seam for
     the order of a failure (one at a time) or the suite's time (more)."""
-    import dataclasses
-
-    stage.settings = dataclasses.replace(stage.settings, background=count)
+    stage._commit.copies = count
     return stage
 
 

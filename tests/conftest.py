@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _support
 import pytest
 import torch
 from _support import SMALL
@@ -38,8 +39,11 @@ SUITE_VARIABLES = (
     "SAFESTAGE_CKPT_CRASH_TRIALS",  # test_checkpoint_crash_trials.py: SIGKILL trials per run
     "SAFESTAGE_DIST_KILL_TRIALS",  # test_group_commit_kills.py: jobs, one rank SIGKILLed in each
     "SAFESTAGE_DIST_KILL_SEED",  # test_group_commit_kills.py: the seed of the kills
+    "SAFESTAGE_LONG",  # 1: the long tier, every point of the expensive matrices (_support.long_tier)
+    "SAFESTAGE_DCP_KILL_TRIALS",  # test_dcp_kills.py: jobs, one rank SIGKILLed in each DCP save
+    "SAFESTAGE_DCP_KILL_SEED",  # test_dcp_kills.py: the seed of the kills
 )
-_suite_settings: dict[str, str] = {}
+_suite_settings = _support.SUITE_SETTINGS
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,6 +58,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if _autoload._stage is not None:
         _autoload._stage.close()
+    try:
+        _support.long_tier()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if _support.long_tier():
+        return "suite tier: long (SAFESTAGE_LONG=1): every point of the expensive matrices"
+    return ("suite tier: CI: the expensive matrices at their endpoints; SAFESTAGE_LONG=1 runs every "
+            "point (CONTRIBUTING.md, Running tests)")
 
 
 @pytest.fixture(scope="session")

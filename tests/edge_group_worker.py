@@ -22,7 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import safestage
-from safestage import _commit, _peers
+from safestage.checkpoint import _collective, _sequence
 from tests._two_nodes import report
 
 KILL = json.loads(os.environ.get("SAFESTAGE_BREAK_KILL", "null"))
@@ -59,7 +59,7 @@ def _step_of(value: object) -> str:
     return "final"
 
 
-_exchange = _peers.Peers.exchange
+_exchange = _collective.Collective.exchange
 
 
 def exchange(self, value):  # type: ignore[no-untyped-def]
@@ -72,30 +72,31 @@ def exchange(self, value):  # type: ignore[no-untyped-def]
     return _exchange(self, value)
 
 
-_peers.Peers.exchange = exchange  # type: ignore[method-assign]
+_collective.Collective.exchange = exchange  # type: ignore[method-assign]
 
-_publish_one = _commit.StagedDir._publish_one
+_publish_one = _sequence.Commit._publish_one
 _published_count = {"n": 0}
 
 
-def publish_one(self, local, created, path, digest):  # type: ignore[no-untyped-def]
+def publish_one(self, *args):  # type: ignore[no-untyped-def]
     _published_count["n"] += 1
     if _published_count["n"] == 2 and _armed("publishing"):
         _die("publishing")
-    return _publish_one(self, local, created, path, digest)
+    return _publish_one(self, *args)
 
 
-_commit.StagedDir._publish_one = publish_one  # type: ignore[method-assign]
-_publish_commit_file = _commit.StagedDir._publish_commit_file
+_sequence.Commit._publish_one = publish_one  # type: ignore[method-assign]
+_commit_file = _sequence.Commit.commit_file
 
 
-def publish_commit_file(self, *args):  # type: ignore[no-untyped-def]
-    _publish_commit_file(self, *args)
+def commit_file(self, *args):  # type: ignore[no-untyped-def]
+    manifest = _commit_file(self, *args)
     if _armed("commit-file-written"):
         _die("commit-file-written")
+    return manifest
 
 
-_commit.StagedDir._publish_commit_file = publish_commit_file  # type: ignore[method-assign]
+_sequence.Commit.commit_file = commit_file  # type: ignore[method-assign]
 
 
 def write(local: Path, rank: int, case: dict) -> None:
@@ -142,6 +143,7 @@ def main() -> None:
                 if rank not in ranks and rank not in case.get("call_anyway", []):
                     entry.update(ok=True, skipped=True)
                     results.append(entry)
+                    report(results=results)  # as after every case
                     continue
             if case.get("late") == rank:
                 time.sleep(case["late_seconds"])

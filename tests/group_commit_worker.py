@@ -33,8 +33,9 @@ def write(local: Path, rank: int, case: str, plan: dict) -> None:
         (local / "same.json").write_text(str(rank))
     if case == "raise" and rank == plan.get("rank", 1):
         raise ValueError(f"the block of rank {rank} failed on purpose")
-    if case == "enospc" and rank == 3:
-        (local / "big.bin").write_bytes(os.urandom(4 << 20))  # more than the 2 MiB tmpfs holds
+    if case == "enospc" and rank == 3:  # full/ is a 2 MiB tmpfs at the destination
+        (local / "full").mkdir()
+        (local / "full" / "big.bin").write_bytes(os.urandom(4 << 20))  # more than it holds
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import safestage
 from safestage import PublishError
-from safestage._background import publisher
+from safestage import _work
 from safestage.testing import hostile_mount
 
 
@@ -77,8 +77,8 @@ def test_background_returns_before_publish_and_block_end_waits(slow_mount, stage
         assert not (directory / "s0.safetensors").exists(), "save_file waited for the publish"
         for index in (1, 2, 3):
             save_file(shard(index), str(directory / f"s{index}.safetensors"))
-            assert publisher().pending() <= 2
-    assert publisher().pending() == 0
+            assert len(_work.pending_copies()) <= 2
+    assert _work.pending_copies() == []
     assert sorted(os.listdir(directory)) == [f"s{i}.safetensors" for i in range(4)]
     for index in range(4):
         assert torch.equal(load_file(str(directory / f"s{index}.safetensors"))["w"], shard(index)["w"])

@@ -53,7 +53,7 @@ from ckpt_crash_child import generation
 import safestage
 from safestage import COMMIT_NAME
 from safestage._clean import clean
-from safestage._manifest import FileEntry, new_manifest
+from safestage.checkpoint._manifest import FileEntry, new_manifest
 from safestage._names import DISPOSABLE_MARKER, parse_stage_dir, parse_temp_name
 
 CHILD = Path(__file__).with_name("ckpt_crash_child.py")

@@ -54,7 +54,7 @@ def leftovers(root: Path) -> list[str]:
 # -- round trips --------------------------------------------------------------------------------
 
 
-def test_round_trip_on_disk_same_filesystem_renames(tmp_path: Path, stage_root: Path) -> None:
+def test_round_trip_on_disk_same_filesystem_links_and_keeps_the_local_copy_whole_until_it_landed(tmp_path: Path, stage_root: Path) -> None:
     dest = tmp_path / "run" / "checkpoint-7"
     dest.parent.mkdir()
     commit = safestage.staged_dir(dest, stage_root)
@@ -64,7 +64,10 @@ def test_round_trip_on_disk_same_filesystem_renames(tmp_path: Path, stage_root: 
         expected = write_checkpoint(local, 7)
     document = assert_committed(dest, expected)
     assert document["directories"] == ["empty"] and (dest / "empty").is_dir()
-    assert {record.publish for record in commit.records} == {"rename"}
+    # The files are linked into place (the local copy stays whole until the commit landed);
+    # the commit file, written for the occasion, is renamed.
+    assert {record.publish for record in commit.records[:-1]} == {"link"}
+    assert commit.records[-1].publish == "rename"
     assert commit.records[-1].destination == dest / COMMIT_NAME  # the commit file last
     assert commit.manifest is not None and len(commit.manifest.files) == len(expected)
     assert leftovers(stage_root) == []
@@ -587,7 +590,7 @@ def test_deep_verify_checks_safetensors_headers(tmp_path: Path, stage_root: Path
     raw = json.dumps(header).encode().ljust(length)
     cases["overlap.safetensors"] = data[:8] + raw + data[8 + length :]
     # staged_dir and commit_in_place refuse such files: a commit file written here vouches for them.
-    from safestage._manifest import FileEntry, new_manifest
+    from safestage.checkpoint._manifest import FileEntry, new_manifest
 
     (tmp_path / "c").mkdir()
     cases_and_good = {**cases, "good.safetensors": data}
@@ -659,7 +662,7 @@ def commit_tiny(dest: Path, root: Path, content: bytes = b"x") -> None:
         (local / "model.bin").write_bytes(content)
 
 
-def test_latest_complete_orders_by_step_number_then_commit_time(tmp_path: Path, stage_root: Path) -> None:
+def test_latest_complete_orders_by_step_number_then_commit_time_and_takes_step_numbered_names_only(tmp_path: Path, stage_root: Path) -> None:
     parent = tmp_path / "run"
     parent.mkdir()
     assert safestage.latest_complete(parent) is None
@@ -672,18 +675,21 @@ def test_latest_complete_orders_by_step_number_then_commit_time(tmp_path: Path, 
     (parent / "other-999").mkdir()
     assert safestage.latest_complete(str(parent)) == parent / "checkpoint-10"
     assert safestage.latest_complete(parent, "other-*") is None
-    # Two names with the same step: the later commit wins.
-    commit_tiny(parent / "checkpoint-10-b", stage_root)
-    os.utime(parent / "checkpoint-10" / COMMIT_NAME, (1, 1))
-    assert safestage.latest_complete(parent) == parent / "checkpoint-10-b"
-    os.utime(parent / "checkpoint-10-b" / COMMIT_NAME, (0, 0))
-    assert safestage.latest_complete(parent) == parent / "checkpoint-10"
-    # Names without digits come last; deep rejects a same-size corruption.
+    # The last * of the pattern is the step number: a merged export beside a training checkpoint
+    # is no candidate of checkpoint-* (transformers' get_last_checkpoint rule), even committed last.
+    commit_tiny(parent / "checkpoint-10-merged", stage_root)
     commit_tiny(parent / "checkpoint-final", stage_root)
     assert safestage.latest_complete(parent) == parent / "checkpoint-10"
+    # Two names with the same step (a pattern whose first * takes any prefix): the later commit wins.
+    commit_tiny(parent / "b-checkpoint-10", stage_root)
+    os.utime(parent / "checkpoint-10" / COMMIT_NAME, (1, 1))
+    assert safestage.latest_complete(parent, "*checkpoint-*") == parent / "b-checkpoint-10"
+    os.utime(parent / "b-checkpoint-10" / COMMIT_NAME, (0, 0))
+    assert safestage.latest_complete(parent, "*checkpoint-*") == parent / "checkpoint-10"
+    # Deep rejects a same-size corruption.
     (parent / "checkpoint-10" / "model.bin").write_bytes(b"y")
-    assert safestage.latest_complete(parent) == parent / "checkpoint-10"
-    assert safestage.latest_complete(parent, deep=True) == parent / "checkpoint-10-b"
+    assert safestage.latest_complete(parent, "*checkpoint-*") == parent / "checkpoint-10"
+    assert safestage.latest_complete(parent, "*checkpoint-*", deep=True) == parent / "b-checkpoint-10"
     assert safestage.latest_complete(parent, "step_*") is None
     with pytest.raises(FileNotFoundError):  # an unmounted run directory is not "no checkpoint"
         safestage.latest_complete(tmp_path / "not-mounted")

@@ -23,7 +23,7 @@ import pytest
 from _support import PY, REAL, SHM, entries
 
 import safestage
-from safestage import _cli
+from safestage import cli as _cli
 from safestage._names import _HOST, doctor_dir_name, parse_doctor_dir
 from safestage.testing import hostile_mount
 
@@ -377,7 +377,7 @@ def test_doctor_usage_errors(tmp_path):
 
 def test_doctor_cleanup_failure_is_reported(tmp_path):
     """Some mounts refuse unlink: the report says what is left and how to remove it."""
-    from safestage._doctor import _remove_probe
+    from safestage.cli._doctor import _remove_probe
 
     probe = tmp_path / doctor_dir_name()
     probe.mkdir()
@@ -395,7 +395,7 @@ def test_doctor_cleanup_failure_is_reported(tmp_path):
 
 
 def test_doctor_step_timeout():
-    from safestage._doctor import ProbeReport, _Recorder
+    from safestage.cli._doctor import ProbeReport, _Recorder
 
     probe = ProbeReport(dir="-")
     started = time.monotonic()
@@ -545,7 +545,7 @@ def test_status_config_error_exits_1(variable, value):
 
 
 def test_status_is_fast_and_imports_no_torch():
-    probe = "import sys; from safestage._cli import main; main(['status']); print('torch' in sys.modules, 'safetensors' in sys.modules)"
+    probe = "import sys; from safestage.cli import main; main(['status']); print('torch' in sys.modules, 'safetensors' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", probe], env=clean_env(), capture_output=True, text=True, timeout=60
     )
@@ -796,7 +796,7 @@ def test_doctor_removes_its_failed_staged_copy_when_the_root_is_given_through_a_
     root, one probe at a time, with nothing saying so."""
     given = tmp_path / "scratch-link"
     given.symlink_to(shm_root)
-    from safestage._doctor import run_doctor
+    from safestage.cli._doctor import run_doctor
 
     report = run_doctor(Path(eio_mount.path), root=given)
     assert report.staged_save.result == "failed" and report.cleanup.removed
@@ -807,7 +807,7 @@ def test_doctor_removes_its_failed_staged_copy_when_the_root_is_given_through_a_
 SLOW_DOCTOR = """
     import json, sys
     from pathlib import Path
-    from safestage._doctor import run_doctor
+    from safestage.cli._doctor import run_doctor
     report = run_doctor(Path(sys.argv[1]), root=Path(sys.argv[2]))
     print(json.dumps({"verdict": report.verdict, "problems": report.problems}))
 """

@@ -118,31 +118,41 @@ def test_a_child_forked_during_a_background_commit_does_not_keep_recover_from_fi
 
 @pytest.fixture(scope="module")
 def group_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One launch of four ranks on two nodes for the collective findings (a launch costs 20-70 s)."""
+    """One launch of four ranks on two nodes for every collective finding (a launch costs
+    20-70 s): the cases run in order, each rank reporting after each case, and the last one
+    SIGKILLs rank 0 (so the job itself fails: each case is judged by every rank's report)."""
     base = tmp_path_factory.mktemp("breaker-group")
     local = base / "local"
     local.mkdir()
+    run = base / "run"
+    run.mkdir()
     cases = [
         # Every rank creates [0, 1] and [1, 2] (torch's default new_group: all ranks call it);
         # then ranks 1 and 2 commit on [1, 2]. Rank 1 belongs to one more group than rank 2.
         {"name": "overlapping-subgroup", "dest": str(local / "sub12"), "precreate": [[0, 1], [1, 2]],
          "subgroup": [1, 2], "timeout": 15},
+        # Last: rank 0 is SIGKILLed right after the commit file landed.
+        {"name": "kill", "dest": str(run / "checkpoint-2"), "barrier": True},
     ]  # fmt: skip
     plan = base / "plan.json"
     plan.write_text(json.dumps({"cases": cases}))
     roots = (base / "node0", base / "node1")
     for root in roots:
         root.mkdir()
-    ran = launch(WORKER, [str(plan)], roots=roots, result_dir=base / "results", timeout=240)
-    assert not ran.timed_out and ran.returncodes == [0, 0], ran.output()
-    return {"job": ran, "local": local}
+    ran = launch(WORKER, [str(plan)], roots=roots, result_dir=base / "results", timeout=240,
+                 env={"SAFESTAGE_BREAK_KILL": json.dumps({"case": "kill", "rank": 0, "at": "commit-file-written"})})  # fmt: skip
+    assert not ran.timed_out, ran.output()
+    assert "breaker: rank 0 SIGKILLs itself at commit-file-written" in ran.output(), ran.output()
+    return {"job": ran, "local": local, "run": run, "roots": roots}
 
 
 def _case(group_job: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    return [
-        next(e for e in group_job["job"].reports[rank]["results"] if e["case"] == name)
-        for rank in range(4)
-    ]
+    """Every rank's report of case ``name``: each rank reports after each case."""
+    reports = group_job["job"].reports
+    assert sorted(reports) == list(range(4)), group_job["job"].output()
+    found = [[e for e in reports[rank]["results"] if e["case"] == name] for rank in range(4)]
+    assert all(len(entries) == 1 for entries in found), (name, reports)
+    return [entries[0] for entries in found]
 
 
 @pytest.mark.slow
@@ -161,18 +171,9 @@ def test_a_collective_commit_over_a_subgroup_is_refused_at_once_naming_the_world
 @pytest.mark.slow
 @pytest.mark.regression("issue 19: collective commits tried to the breaking point")
 def test_a_rank_killed_after_the_commit_file_landed_leaves_no_copy_that_recover_refuses(
-    tmp_path: Path,
+    group_job: dict[str, Any],
 ) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"cases": [{"name": "kill", "dest": str(run / "checkpoint-2")}]}))
-    roots = (tmp_path / "node0", tmp_path / "node1")
-    for root in roots:
-        root.mkdir()
-    ran = launch(WORKER, [str(plan)], roots=roots, result_dir=tmp_path / "results", timeout=180,
-                 env={"SAFESTAGE_BREAK_KILL": json.dumps({"case": "kill", "rank": 0, "at": "commit-file-written"})})  # fmt: skip
-    assert not ran.timed_out, ran.output()
+    run, roots = group_job["run"], group_job["roots"]
     assert safestage.verify(run / "checkpoint-2", deep=True).complete  # holds: the commit landed
     recovered = safestage.recover(roots[0])
     assert all(result.action != "refused" for result in recovered), recovered

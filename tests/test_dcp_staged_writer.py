@@ -1,50 +1,36 @@
-"""safestage.dcp.StagedWriter: dcp.save / async_save from 4 ranks on two "nodes" (each its own
-staging root) onto hostile destinations, read back by stock DCP, committed last.
+"""safestage.dcp.StagedWriter, and DCP's own writers under the switch: dcp.save / async_save
+from 4 ranks on two "nodes" (each its own staging root, SAFESTAGE_DIR) onto hostile
+destinations, read back by stock DCP, committed last.
 
-One two-node job runs every case (a job costs ~15 s of start-up on 2 cores): the worker
-(dcp_worker.py) saves, in order, to the destinations of a plan, and each rank reports what
-each case did; the assertions then run here, in a process that never imported safestage's
-writer into the reading path (stock ``dcp.load``).
+One two-node job runs every case (tests/_dcp_job.py, shared with the Lightning and accelerate
+tests): the worker (dcp_worker.py) saves, in order, to the destinations of a plan, and each
+rank reports what each case did; the assertions then run here, in a process that never
+imported safestage's writer into the reading path (stock ``dcp.load``).
 """
 
 from __future__ import annotations
 
 import json
 import pickle
-import shutil
-import uuid
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _two_nodes import Job, launch
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
 import safestage
 from safestage import COMMIT_NAME
+from tests import _dcp_job
+from tests._two_nodes import Job
 
-WORKER = Path(__file__).with_name("dcp_worker.py")
-RANKS = 4
+RANKS = _dcp_job.RANKS
 DATA = [f"__{rank}_0.distcp" for rank in range(RANKS)]
 HF_SHARDS = [f"shard-0000{rank + 1}-model-00001-of-00001.safetensors" for rank in range(RANKS)]
-
-# (case name, kind, mount): every destination we serve, then async_save, DCP's own writer as the
-# baseline, a re-save whose one rank fails, and the HuggingFace writer.
-CASES = [
-    ("hdfs", "save", "kit:hdfs"),
-    ("mountpoint", "save", "kit:mountpoint"),
-    ("s3fs", "save", "real:s3fs"),
-    ("rclone-s3", "save", "real:rclone-s3"),
-    ("async-thread", "async", "kit:hdfs"),
-    ("async-process", "async-process", "kit:mountpoint"),
-    ("stock-mountpoint", "stock", "kit:mountpoint"),
-    ("resave-fail", "resave-fail", "kit:hdfs"),
-    ("hf", "hf", "kit:mountpoint"),
-]
+SWITCHED = ["switch-id-mountpoint", "switch-id-hdfs", "switch-id-s3fs", "switch-writer", "switch-async",
+            "switch-async-process"]
 
 
 def expected_state() -> dict[str, Any]:
@@ -62,32 +48,11 @@ def empty_like(state: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def job(
     tmp_path_factory: pytest.TempPathFactory, kit_mounts: dict[str, Any], real_mounts: dict[str, Any]
-) -> Iterator[tuple[Job, dict[str, Path], tuple[Path, Path]]]:
-    base = tmp_path_factory.mktemp("dcp")
-    roots = (base / "node0", base / "node1")
-    for root in roots:
-        root.mkdir()
-    parents, dests, plan = [], {}, []
-    for name, kind, where in CASES:
-        family, mode = where.split(":")
-        mount = (kit_mounts if family == "kit" else real_mounts)[mode]
-        parent = Path(mount.path) / f"t-{uuid.uuid4().hex[:10]}"
-        parent.mkdir()
-        parents.append(parent)
-        dests[name] = parent / "step-7"  # made by the writer: its parent must exist
-        plan.append({"name": name, "kind": kind, "dest": str(dests[name])})
-    (base / "plan.json").write_text(json.dumps(plan))
-    result = launch(WORKER, [str(base / "plan.json")], roots=roots, result_dir=base / "results", timeout=400)
-    yield result, dests, roots
-    for parent in parents:
-        shutil.rmtree(parent, ignore_errors=True)
+) -> tuple[Job, dict[str, Path], tuple[Path, Path]]:
+    return _dcp_job.shared(tmp_path_factory, kit_mounts, real_mounts)
 
 
-def outcomes(job: Job, case: str) -> dict[int, dict[str, Any]]:
-    assert not job.timed_out, job.output()
-    assert job.returncodes == [0, 0], job.output()
-    assert sorted(job.reports) == list(range(RANKS)), job.output()
-    return {rank: report["results"][case] for rank, report in job.reports.items()}
+outcomes = _dcp_job.outcomes
 
 
 def assert_committed(dest: Path, data: list[str], *, index: str = ".metadata") -> None:
@@ -114,7 +79,7 @@ def stock_load(dest: Path) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["hdfs", "mountpoint", "s3fs", "rclone-s3", "async-thread", "async-process"])
+@pytest.mark.parametrize("case", ["hdfs", "mountpoint", "s3fs", "rclone-s3", "async-thread", "async-process", *SWITCHED])
 def test_every_rank_lands_and_stock_dcp_loads_it(job: Any, case: str) -> None:
     result, dests, _ = job
     assert all(outcome == {"ok": True} for outcome in outcomes(result, case).values())
@@ -134,41 +99,44 @@ def test_every_rank_lands_and_stock_dcp_loads_it(job: Any, case: str) -> None:
 def test_no_local_copy_outlives_a_committed_save(job: Any) -> None:
     result, _, roots = job
     outcomes(result, "hdfs")
+    assert all(report["staging_on"] for report in result.reports.values())  # the switch, from the environment
     assert list(roots[0].iterdir()) == []  # node 0 had no failure at all
-    kept = list(roots[1].iterdir())
-    assert len(kept) == 1  # rank 2's copy of the failed re-save, and nothing else
+    # Rank 2's re-save was refused before it published (a directory is where its file goes):
+    # a refused copy is not kept (it would be refused again), and no rank's files are a
+    # checkpoint on their own.
+    assert list(roots[1].iterdir()) == []
 
 
 @pytest.mark.slow
-def test_a_failing_rank_makes_every_rank_raise_and_leaves_no_vouching_file(job: Any) -> None:
+@pytest.mark.parametrize("case", ["resave-fail", "switch-resave-fail"])
+def test_a_failing_rank_makes_every_rank_raise_and_leaves_no_vouching_file(job: Any, case: str) -> None:
     """A re-save over a committed checkpoint, whose rank 2 cannot publish (a directory is where
     its file goes): every rank raises, naming rank 2 and the file; the old commit file and the
     old .metadata were removed before any rank wrote, so neither safestage nor a stock
     dcp.load takes the half-overwritten directory for a checkpoint."""
     result, dests, roots = job
-    dest = dests["resave-fail"]
-    for rank, outcome in outcomes(result, "resave-fail").items():
+    dest = dests[case]
+    for rank, outcome in outcomes(result, case).items():
         assert outcome["ok"] is False and outcome["type"] == "CheckpointException", (rank, outcome)
         assert outcome["failed_ranks"] == [2]
         kind, text = outcome["causes"]["2"]
         assert kind == "PublishError"
-        assert "rank 2" in text and "__2_0.distcp" in text and "Errno 21" in text
+        assert "rank 2" in text and "__2_0.distcp" in text and ("Errno 21" in text or "Errno 20" in text), text
     assert not safestage.verify(dest).complete
     names = sorted(p.name for p in dest.iterdir())
     assert COMMIT_NAME not in names and ".metadata" not in names
     assert safestage.latest_complete(dest.parent, "step-*") is None
     with pytest.raises(BaseException, match=r"No such file or directory: .*\.metadata"):
         stock_load(dest)  # DCP's CheckpointException (a BaseException), wrapping the ENOENT
-    # rank 2 (node 1) keeps its local copy, with what it is for
-    (kept,) = list(roots[1].iterdir())
-    record = json.loads((kept / "safestage-kept.json").read_text())
-    assert record["destination"] == str(dest) and record["left"] == ["__2_0.distcp"]
-    assert (kept / record["local"] / "__2_0.distcp").is_file()
+    # Refused before it published anything: rank 2 (node 1) keeps no copy (it would be refused
+    # again, and one rank's files are no checkpoint on their own).
+    assert list(roots[1].iterdir()) == []
 
 
 @pytest.mark.slow
 def test_dcp_own_writer_fails_on_mountpoint_and_leaves_no_metadata(job: Any) -> None:
-    """The baseline (issue 19): DCP's FileSystemWriter straight onto mountpoint-s3 semantics."""
+    """The baseline (issue 19): DCP's FileSystemWriter straight onto mountpoint-s3 semantics,
+    with the switch on: ``safestage.dcp.unstaged`` turns it off for this one writer."""
     result, dests, _ = job
     for outcome in outcomes(result, "stock-mountpoint").values():
         assert outcome["ok"] is False, outcome
@@ -188,3 +156,60 @@ def test_huggingface_writer_shards_land_and_load(job: Any) -> None:
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(dest)))
     for key, value in expected_state().items():
         assert torch.equal(state[key], value), key
+
+
+@pytest.mark.slow
+def test_switch_commits_the_huggingface_writers_consolidated_files_with_its_shards(job: Any) -> None:
+    """HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True) under the
+    switch: each rank's shard lands in dest/sharded, the coordinator consolidates them (read at
+    the destination) into the full file and its index, and one commit file lists them all."""
+    result, dests, _ = job
+    assert all(outcome == {"ok": True} for outcome in outcomes(result, "switch-hf").values())
+    dest = dests["switch-hf"]
+    committed = safestage.verify(dest, deep=True)
+    assert committed.complete, committed.problems
+    assert committed.manifest is not None
+    ranks = {entry.path: entry.rank for entry in committed.manifest.files}
+    assert ranks == {**{f"sharded/{name}": rank for rank, name in enumerate(HF_SHARDS)},
+                     "model-00001-of-00001.safetensors": 0, "model.safetensors.index.json": 0}  # fmt: skip
+    state = empty_like(expected_state())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(dest)))  # the consolidated file
+    for key, value in expected_state().items():
+        assert torch.equal(state[key], value), key
+
+
+@pytest.mark.slow
+def test_switch_commits_rank_zeros_huggingface_shards_and_index_on_s3fs(job: Any) -> None:
+    result, dests, _ = job
+    assert all(outcome == {"ok": True} for outcome in outcomes(result, "switch-hf-rank0").values())
+    dest = dests["switch-hf-rank0"]
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    names = sorted(p.name for p in dest.iterdir())
+    assert names == sorted([*shards, "model.safetensors.index.json", COMMIT_NAME])
+    committed = safestage.verify(dest, deep=True)
+    assert committed.complete and committed.manifest is not None, committed.problems
+    assert {entry.rank for entry in committed.manifest.files} == {0}
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    state = empty_like(expected_state())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(dest)))
+    for key, value in expected_state().items():
+        assert torch.equal(state[key], value), key
+
+
+@pytest.mark.slow
+def test_switch_leaves_a_writer_subclass_alone_and_says_so_once(job: Any) -> None:
+    """A subclass of FileSystemWriter may write anywhere: the switch does not stage it (it
+    writes in place, as without safestage) and logs one WARNING per process naming it."""
+    result, dests, _ = job
+    assert all(outcome == {"ok": True} for outcome in outcomes(result, "switch-subclass").values())
+    dest = dests["switch-subclass"]
+    assert sorted(p.name for p in dest.iterdir()) == sorted([*DATA, ".metadata"])  # no commit file
+    assert not safestage.verify(dest).complete
+    assert stock_load(dest).pop("step") == 7
+    warned = result.output().count("SubclassWriter, a subclass of DCP's FileSystemWriter, is not staged")
+    assert warned == RANKS, result.output()  # once in each rank

@@ -52,7 +52,7 @@ def test_demo_without_moto_shows_the_rows_it_could_mount_and_names_what_to_insta
     code = (
         "import sys\n"
         "sys.modules['moto'] = None  # as if not installed: find_spec('moto') is None\n"
-        "from safestage._cli import main\n"
+        "from safestage.cli import main\n"
         "sys.exit(main(['demo']))\n"
     )
     result = subprocess.run(

@@ -56,7 +56,7 @@ def test_a_child_forked_mid_publish_neither_hangs_nor_waits_for_the_parent(mount
     stage = safestage.activate(stage_root, background=at_once)
     try:
         save_file(arange_tensors(1, numel=16 << 20), str(directory / "parent.safetensors"))
-        assert safestage._background.running(stage), "the parent's publish should still be pending"
+        assert safestage._work.running_count(stage), "the parent's publish should still be pending"
         pid = os.fork()
         if pid == 0:  # the child: its own save must land, its close must not wait for ours
             code = 1

@@ -45,8 +45,11 @@ def job(tmp_path_factory: pytest.TempPathFactory, kit_mounts: dict[str, Any], re
         directory.mkdir()
         dests[mode] = directory
     (dests["hdfs"] / "background").mkdir()
-    tiny = base / "tiny"
-    tiny.mkdir()
+    # ENOSPC for rank 3's big.bin alone: a 2 MiB tmpfs where only that file goes. On a tmpfs
+    # holding the whole checkpoint, another rank writing while big.bin filled it failed too,
+    # and the error named that rank (the lowest failing one) instead of rank 3.
+    tiny = base / "enospc" / "checkpoint-1" / "full"
+    tiny.mkdir(parents=True)
     os.system(f"mount -t tmpfs -o size=2m,mode=0755 tmpfs {tiny}")
     request.addfinalizer(lambda: os.system(f"umount -l {tiny}"))
     local = base / "local"
@@ -59,7 +62,7 @@ def job(tmp_path_factory: pytest.TempPathFactory, kit_mounts: dict[str, Any], re
     cases += [
         {"name": "raise", "dest": str(previous), "rank": 2},
         {"name": "clash", "dest": str(previous)},
-        {"name": "enospc", "dest": str(tiny / "checkpoint-1")},
+        {"name": "enospc", "dest": str(tiny.parent)},
         {"name": "ok", "dest": str(dests["mountpoint"] / "checkpoint-1"), "mode": "mountpoint-again"},
         {"name": "background", "dest": str(dests["hdfs"] / "background" / "checkpoint-2")},
     ]
@@ -152,11 +155,12 @@ def test_a_publish_failing_on_one_rank_makes_every_rank_raise_naming_that_rank_a
         assert result["type"] == "PublishError", result
         assert "rank 3 could not publish" in result["error"] and "big.bin" in result["error"], result
     assert results[3]["errno"] == 28  # the real ENOSPC of the 2 MiB tmpfs
-    dest = job["tiny"] / "checkpoint-1"
+    dest = job["tiny"].parent
     assert not (dest / COMMIT_NAME).exists() and not safestage.verify(dest).complete
     # Every rank kept its copy, as a failed single-process commit does, saying which rank it was.
-    for result in results:
+    for rank, result in enumerate(results):
         kept = Path(result["staged_path"])
         assert kept.is_dir(), result
         record = json.loads((kept.parent / "safestage-kept.json").read_text())
-        assert record["destination"] == str(dest) and record["world_size"] == RANKS
+        assert record["destination"] == str(dest) and record["part"]["of"] == "collective"
+        assert record["part"]["world_size"] == RANKS and record["part"]["rank"] == rank, record

@@ -51,9 +51,9 @@ def latest_as_nobody(parent: Path) -> subprocess.CompletedProcess[str]:
     """`safestage latest PARENT` in a process that imports as root, then drops to nobody."""
     code = (
         "import os, sys\n"
-        "import safestage._cli, safestage._verify, safestage._manifest\n"
+        "import safestage.cli, safestage.checkpoint._verify, safestage.checkpoint._manifest\n"
         f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
-        f"sys.exit(safestage._cli.main(['latest', {str(parent)!r}]))\n"
+        f"sys.exit(safestage.cli.main(['latest', {str(parent)!r}]))\n"
     )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
@@ -73,7 +73,7 @@ def test_latest_of_a_directory_it_cannot_list_says_it_could_not_look(run_dir: Pa
 def test_latest_complete_of_a_directory_it_cannot_list_raises_naming_it(run_dir: Path, stage_root: Path) -> None:
     code = (
         "import os, errno\n"
-        "import safestage, safestage._verify\n"
+        "import safestage, safestage.checkpoint._verify\n"
         f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
         "try:\n"
         f"    safestage.latest_complete({str(run_dir)!r})\n"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import safestage
+
 pytestmark = pytest.mark.mounts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +41,7 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory, safestage_wheel: Path) 
     """A venv holding only `pip install torch==2.13.0` and `pip install <the wheel>`."""
     base = tmp_path_factory.mktemp("fresh")
     wheel = safestage_wheel
-    assert wheel.name.startswith("safestage-0.3.0-"), wheel
+    assert wheel.name.startswith(f"safestage-{safestage.__version__}-"), wheel
     venv = base / "venv"
     created = run([sys.executable, "-m", "venv", str(venv)], base)
     assert created.returncode == 0, created.stderr
@@ -86,7 +88,7 @@ def test_fresh_venv_with_torch_and_the_wheel_saves_onto_hdfs(fresh_venv, hdfs_di
     result = run([str(python), str(script), str(target)], tmp_path, timeout=300, TMPDIR=str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     version, location, mode, records = result.stdout.split()
-    assert version == "0.3.0" and location.startswith(str(fresh_venv))
+    assert version == safestage.__version__ and location.startswith(str(fresh_venv))
     assert mode == "0o644" and records == "1"
     assert os.listdir(hdfs_dir) == ["model.safetensors"]
 

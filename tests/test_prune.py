@@ -22,8 +22,10 @@ from typing import Any, Callable
 import pytest
 
 import safestage
-from safestage import COMMIT_NAME, ConfigError, _cli, _prune
+from safestage import COMMIT_NAME, ConfigError, _work
+from safestage import cli as _cli
 from safestage._names import KEPT_RECORD, parse_stage_dir, parse_temp_name
+from safestage.checkpoint import _prune
 from safestage.testing import hostile_mount
 
 NOBODY = 65534
@@ -146,7 +148,7 @@ def test_the_order_is_latest_completes_step_numbers_not_names(tmp_path: Path, st
     """checkpoint-900 is older than checkpoint-1000 though it sorts after it as text."""
     run = tmp_path / "run"
     run.mkdir()
-    for step in (1000, 900, 1100):
+    for step in (900, 1000, 1100):  # in step order: a lower step committed later is a rollback
         commit(run / f"checkpoint-{step}", stage_root)
     assert safestage.prune(run, keep=2) == [run / "checkpoint-900"]
 
@@ -249,19 +251,23 @@ def start_child_commit(dest: Path, root: Path) -> subprocess.Popen[str]:
     return child
 
 
-def test_a_checkpoint_another_live_process_is_committing_is_untouched(
-    slow_run: Path, stage_root: Path
+def test_a_checkpoint_another_live_process_is_committing_is_untouched_and_a_warning_says_why(
+    slow_run: Path, stage_root: Path, caplog: Any
 ) -> None:
     """A re-commit of the older checkpoint-1 in another process (running, holding its staging
     directory) while checkpoint-2 is complete: checkpoint-1 is incomplete meanwhile and older
-    than the newest complete one, and stays, through the API and the CLI."""
+    than the newest complete one, and stays, through the API and the CLI; a WARNING names it
+    and why (keep= sparing a checkpoint never does so silently)."""
     commit(slow_run / "checkpoint-1", stage_root)
     commit(slow_run / "checkpoint-2", stage_root)
     older = slow_run / "checkpoint-1"
     child = start_child_commit(older, stage_root)
     try:
         assert not safestage.verify(older).complete  # its commit file went first
-        assert safestage.prune(slow_run, keep=5, root=stage_root) == []
+        with caplog.at_level(logging.WARNING, logger="safestage"):
+            assert safestage.prune(slow_run, keep=5, root=stage_root) == []
+        assert any(str(older) in r.getMessage() and "is committing it" in r.getMessage()
+                   and r.levelno == logging.WARNING for r in caplog.records), caplog.text  # fmt: skip
         assert _cli.main(["prune", str(slow_run), "--keep", "1", "--dir", str(stage_root)]) == 0
         assert child.poll() is None, "the child finished during the prune: the test proved nothing"
         assert older.is_dir()
@@ -283,31 +289,34 @@ def test_a_commit_in_flight_in_this_process_is_busy_and_untouched(slow_run: Path
     thread.start()
     try:
         wait_for(lambda: publishing(older), "the re-commit of checkpoint-1 to publish")
-        assert older in _prune.busy_destinations()
+        assert older in _work.busy()
         assert safestage.prune(slow_run, keep=5) == []
         assert not (older / COMMIT_NAME).exists(), "it landed during the prune: the test proved nothing"
     finally:
         thread.join(timeout=120)
-    assert older not in _prune.busy_destinations()
+    assert older not in _work.busy()
     assert safestage.verify(older, deep=True).complete
 
 
-def test_a_killed_commits_destination_stays_while_its_kept_copy_does(slow_run: Path, stage_root: Path) -> None:
-    """SIGKILLed mid-publish, a commit leaves the files that landed at the destination and the
-    rest in its kept copy: prune keeps both halves until the copy is gone, then removes it."""
-    commit(slow_run / "checkpoint-2", stage_root)
+def test_a_killed_commits_leftovers_go_and_its_kept_copy_still_recovers_it(slow_run: Path, stage_root: Path) -> None:
+    """SIGKILLed mid-publish, a commit leaves some files at the destination and the whole
+    checkpoint in its kept copy. Prune removes the leftovers as any incomplete checkpoint older
+    than the newest complete one (the copy holds every file, so nothing is lost, and the answer
+    does not depend on knowing the root the copy is in), and recover then commits it whole."""
     older = slow_run / "checkpoint-1"
     child = start_child_commit(older, stage_root)
     child.send_signal(signal.SIGKILL)
     child.communicate(timeout=60)
     kept = [stage_root / name for name in os.listdir(stage_root) if parse_stage_dir(name)]
     assert len(kept) == 1 and json.loads((kept[0] / KEPT_RECORD).read_bytes())["destination"] == str(older)
+    assert older.is_dir() and not safestage.verify(older).complete  # the kill left it half-published
+    commit(slow_run / "checkpoint-2", stage_root)
     decisions = _prune.plan(slow_run, 1, "checkpoint-*", roots=_prune.known_roots(stage_root))
-    assert [(d.path.name, d.action) for d in decisions] == [("checkpoint-2", "keep"), ("checkpoint-1", "keep")]
-    assert f"a kept copy of a commit that did not finish is at {kept[0]}" in decisions[1].reason
-    assert safestage.prune(slow_run, keep=1, root=stage_root) == []
-    subprocess.run(["rm", "-rf", str(kept[0])], check=True)  # the user deletes the kept copy
-    assert safestage.prune(slow_run, keep=1, root=stage_root) == [older]
+    assert [(d.path.name, d.action) for d in decisions] == [("checkpoint-2", "keep"), ("checkpoint-1", "remove")]
+    assert safestage.prune(slow_run, keep=1) == [older]
+    (result,) = safestage.recover(stage_root)
+    assert result.action == "committed", result
+    assert safestage.verify(older, deep=True).complete and (older / "model.bin").read_bytes() == b"c" * BIG
 
 
 # -- object stores: no rename ---------------------------------------------------------------------------
@@ -343,14 +352,23 @@ def test_keep_takes_the_siblings_named_like_the_checkpoint(tmp_path: Path, stage
     assert names(run) == ["checkpoint-200", "checkpoint-300", "step_000300"]
 
 
-def test_keep_never_removes_the_checkpoint_it_just_committed(tmp_path: Path, stage_root: Path) -> None:
-    """A re-commit of an older step (a rollback) with keep=1 stays; the next prune decides."""
+def test_keep_never_removes_the_checkpoint_it_just_committed_nor_what_a_rollback_set_aside(
+    tmp_path: Path, stage_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A re-commit of an older step (a rollback) with keep=1 stays, and is the newest: the
+    checkpoints it set aside are neither counted nor removed, and named in a WARNING."""
     run = tmp_path / "run"
     run.mkdir()
     for step in (1, 2, 3):
         commit(run / f"checkpoint-{step}", stage_root)
-    commit(run / "checkpoint-1", stage_root, keep=1)
-    assert names(run) == ["checkpoint-1", "checkpoint-3"]
+    with caplog.at_level(logging.WARNING, logger="safestage"):
+        commit(run / "checkpoint-1", stage_root, keep=1)
+    assert names(run) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert safestage.latest_complete(run) == run / "checkpoint-1"
+    for step in (2, 3):
+        aside = safestage.verify(run / f"checkpoint-{step}")
+        assert aside.complete and aside.set_aside is not None and aside.set_aside.by == "checkpoint-1"
+        assert any(f"checkpoint-{step}" in r.getMessage() and "set aside" in r.getMessage() for r in caplog.records)
 
 
 @pytest.fixture
@@ -473,9 +491,9 @@ def run_dir() -> Iterator[Path]:
 def prune_as_nobody(parent: Path) -> subprocess.CompletedProcess[str]:
     code = (
         "import os, sys\n"
-        "import tempfile, safestage._cli, safestage._prune  # before the drop: root's paths\n"
+        "import tempfile, safestage.cli, safestage.checkpoint._prune  # before the drop: root's paths\n"
         f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
-        f"sys.exit(safestage._cli.main(['prune', {str(parent)!r}, '--keep', '1']))\n"
+        f"sys.exit(safestage.cli.main(['prune', {str(parent)!r}, '--keep', '1']))\n"
     )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 

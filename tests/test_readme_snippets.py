@@ -1,9 +1,11 @@
 """README's snippets run as written, against real hostile FUSE mounts of the kit.
 
-Each snippet is the fenced block after a ``<!-- snippet: NAME -->`` marker in README.md. Only
-the example paths are substituted (``/mnt/hdfs/run42``: a fresh directory on a kit mount,
-``/local/scratch``: a local staging root); each runs in a subprocess of its own, and the test
-checks what a user would: the bytes load back equal, the listing holds no temp file, and
+Each snippet is the fenced block after a ``<!-- snippet: NAME -->`` marker in README.md; every
+Python block of the README is one, except those the README introduces as fragments. Only the
+example paths are substituted (``/mnt/hdfs/run42``: a fresh directory on a kit mount,
+``/local/scratch``: a local staging root), and what the README's prose says the user's script
+adds (the Trainer's model, arguments and data); each runs in a subprocess of its own, and the
+test checks what a user would: the bytes load back equal, the listing holds no temp file, and
 ``latest_complete`` names the newest checkpoint.
 """
 
@@ -84,8 +86,19 @@ def test_readme_starts_with_the_two_setup_commands_that_ci_runs():
     text = README.read_text()
     assert text.startswith("```bash\nbash .ci/dev demo\nbash .ci/dev test\n```\n")
     assert "bash .ci/dev test" in (ROOT / ".ci" / "run").read_text()
-    assert set(snippets()) == {"save_file", "train.py", "shell", "staged_dir"}
-    assert len(text.splitlines()) <= 200
+    assert set(snippets()) == {"save_file", "train.py", "shell", "staged_dir", "lightning", "trainer"}
+    assert len(text.splitlines()) < 250
+
+
+def test_every_python_block_of_the_readme_is_a_snippet_or_introduced_as_a_fragment():
+    """A Python block a reader may paste is run by a test of this file; the others say so."""
+    text = README.read_text()
+    marked = {body for _name, lang, body in _SNIPPET.findall(text) if lang == "python"}
+    for match in re.finditer(r"```python\n(.*?)\n```", text, re.S):
+        if match[1] in marked:
+            continue
+        before = text[: match.start()].rstrip().rsplit("\n\n", 1)[-1]
+        assert "fragment" in before, f"README python block neither a snippet nor introduced as a fragment:\n{match[1]}"
 
 
 @pytest.mark.parametrize("mode", ["hdfs", "mountpoint"])
@@ -148,3 +161,101 @@ def test_readme_staged_dir_then_latest_complete_finds_the_newest(kit_mounts, tmp
     # The staging root (TMPDIR's default) keeps nothing once the commits returned.
     leftovers = [p for p in (tmp_path / "tmp").rglob("*") if p.is_file()]
     assert leftovers == []
+
+
+# -- the Trainer snippet: the prose around it says what a train.py adds -------------------------------
+
+# What the README's prose leaves to the user's train.py: the Trainer's imports, a model, its
+# TrainingArguments (output_dir on the mount) and a dataset. Nothing of safestage: the snippet
+# must bring what it uses.
+_TRAINER_PRELUDE = '''\
+import torch
+import transformers
+from transformers import Trainer, TrainingArguments
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        ids = (torch.arange(index, index + 8) * 7) % 128
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+))
+args = TrainingArguments(
+    output_dir=OUTPUT_DIR, max_steps=2, save_steps=1, per_device_train_batch_size=2, use_cpu=True,
+    report_to=[], logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+)
+data = Tokens()
+'''
+
+
+def trainer_snippet() -> str:
+    """The README's Trainer snippet: its python block that hands the Trainer a CommitCallback."""
+    blocks = [body for body in re.findall(r"```python\n(.*?)\n```", README.read_text(), re.S) if "CommitCallback(" in body]
+    assert len(blocks) == 1, f"README holds {len(blocks)} python blocks with a CommitCallback, expected the one"
+    body = blocks[0]
+    assert body == snippets()["trainer"]
+    return body.replace(DEST, "OUTPUT_DIR").replace(SCRATCH, "SCRATCH")
+
+
+@pytest.mark.slow
+@pytest.mark.regression("issue 24: the README's Trainer snippet raised NameError: name 'safestage' is not defined")
+def test_readme_trainer_snippet_commits_each_checkpoint_on_the_mount(kit_mounts, tmp_path):
+    import safestage
+
+    output = fresh_dir(kit_mounts, "hdfs", f"readme-{os.urandom(4).hex()}")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(f"OUTPUT_DIR = {str(output)!r}\nSCRATCH = {str(scratch)!r}\n" + _TRAINER_PRELUDE + trainer_snippet() + "\n")
+    env = environment(tmp_path)
+    env.update({"SAFESTAGE_DIR": str(scratch), "SAFESTAGE_TORCH_SAVE": "1"})  # as the README runs it
+
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(os.listdir(output)) == ["checkpoint-1", "checkpoint-2"]
+    assert safestage.latest_complete(output) == output / "checkpoint-2"
+    for step in (1, 2):
+        assert safestage.verify(output / f"checkpoint-{step}", deep=True).complete
+        assert "model.safetensors" in os.listdir(output / f"checkpoint-{step}")
+
+
+# -- the Lightning snippet: the Trainer it makes saves through the plugin ------------------------------
+
+# After the snippet: a checkpoint saved through the Trainer's checkpoint IO (what ModelCheckpoint
+# and trainer.save_checkpoint call), onto the mount.
+_LIGHTNING_CHECK = """
+import torch
+assert isinstance(trainer.strategy.checkpoint_io, StagedCheckpointIO), trainer.strategy.checkpoint_io
+trainer.strategy.checkpoint_io.save_checkpoint({"step": 7, "weight": torch.arange(64.0)}, OUTPUT + "/last.ckpt")
+print("saved")
+"""
+
+
+@pytest.mark.slow
+def test_readme_lightning_snippet_makes_a_trainer_that_saves_through_the_plugin(kit_mounts, tmp_path):
+    import torch
+
+    output = fresh_dir(kit_mounts, "mountpoint", f"readme-{os.urandom(4).hex()}")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    script = tmp_path / "snippet.py"
+    script.write_text(f"OUTPUT = {str(output)!r}\n" + substituted("lightning", scratch=scratch) + "\n" + _LIGHTNING_CHECK)
+
+    result = run([sys.executable, str(script)], tmp_path)
+
+    assert result.stdout.strip().endswith("saved"), result.stdout
+    assert os.listdir(output) == ["last.ckpt"]  # no temp file of anyone's
+    back = torch.load(output / "last.ckpt", weights_only=True)
+    assert back["step"] == 7 and torch.equal(back["weight"], torch.arange(64.0))
+    assert [p for p in (tmp_path / "tmp").rglob("*") if p.is_file()] == []  # nothing in $TMPDIR
+    assert [p for p in scratch.rglob("*") if p.is_file()] == []  # the staging root keeps nothing

@@ -312,8 +312,9 @@ def test_recover_refuses_a_copy_whose_files_differ_from_its_record(small_tmpfs, 
 @pytest.mark.parametrize(
     ("fields", "why"),
     [
-        ({"rank": 1, "world_size": 4}, "a single node cannot write that commit alone; re-run the save"),
-        ({"version": 2}, "written by a newer safestage (version 2"),
+        ({"part": {"of": "collective", "rank": 1, "world_size": 4}},
+         "rank 1 of 4's part of a collective commit: no staging root holds the whole checkpoint"),
+        ({"version": 3}, "written by a newer safestage (version 3"),
     ],
 )
 def test_recover_refuses_one_rank_of_a_distributed_commit_and_a_newer_record(small_tmpfs, tmp_path, fields, why):

@@ -66,10 +66,10 @@ def test_background_folds_the_count_of_files_publishing_at_once(argument, variab
 
 def test_staged_dir_background_is_the_count_of_commits_in_flight_and_never_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SAFESTAGE_BACKGROUND", "5")  # for the saves staging intercepts, not commits
-    assert safestage.staged_dir(tmp_path / "c").settings.background == 2  # two files at once, always
-    assert safestage.staged_dir(tmp_path / "c")._in_flight == 0  # synchronous unless told
-    assert safestage.staged_dir(tmp_path / "c", background=True)._in_flight == 1
-    assert safestage.staged_dir(tmp_path / "c", background=3)._in_flight == 3
+    assert safestage.staged_dir(tmp_path / "c").settings.background == 0  # no file saves of its own
+    assert safestage.staged_dir(tmp_path / "c").background == 0  # synchronous unless told
+    assert safestage.staged_dir(tmp_path / "c", background=True).background == 1
+    assert safestage.staged_dir(tmp_path / "c", background=3).background == 3
     with pytest.raises(ConfigError, match="background='many'"):
         safestage.staged_dir(tmp_path / "c", background="many")  # type: ignore[arg-type]
 

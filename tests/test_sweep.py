@@ -71,52 +71,85 @@ def python(code: str, *, env: dict[str, str] | None = None, timeout: float = 120
     )  # fmt: skip
 
 
-FAILING_SAVE = """
+FAILING_SAVES = """
     import json, sys, torch, safestage
     from safetensors.torch import save_file
-    dest, root, via = sys.argv[1], sys.argv[2], sys.argv[3]
-    data = {{"w": torch.arange(4096, dtype=torch.float32) + 7}}
-    try:
-        if via == "save_file":
-            with safestage.staged(root):
-                save_file(data, dest)
+    root, cases = sys.argv[1], json.loads(sys.argv[2])  # [[dest, via], ...]: one failing save each
+    data = {"w": torch.arange(4096, dtype=torch.float32) + 7}
+    reports = []
+    for dest, via in cases:
+        try:
+            if via == "save_file":
+                with safestage.staged(root):
+                    save_file(data, dest)
+            else:
+                with safestage.staged_file(dest, root) as local:
+                    save_file(data, str(local))
+        except safestage.PublishError as exc:
+            reports.append({"kept": exc.staged_path, "errno": exc.errno})
         else:
-            with safestage.staged_file(dest, root) as local:
-                save_file(data, str(local))
-    except safestage.PublishError as exc:
-        print(json.dumps({{"kept": exc.staged_path, "errno": exc.errno}}))
+            reports.append(None)
+    print(json.dumps(reports))
 """
 
 
-@pytest.mark.regression("0.1 hostile review of the hardening (issue 9): a kept copy survives every sweep after its owner exited")
-@pytest.mark.parametrize("name", [".ema.safetensors", ".tmpAbc123", "model.safetensors"])
-@pytest.mark.parametrize("via", ["save_file", "staged_file"])
-def test_a_kept_copy_survives_every_sweep_after_its_owner_exited(mount_dir, stage_root, tmp_path, name, via):
-    directory, _ = mount_dir("close-eio")
-    dest = directory / name
-    code = FAILING_SAVE.format()
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), str(dest), str(stage_root), via],
-        capture_output=True, text=True, timeout=120,
+KEPT_NAMES = [".ema.safetensors", ".tmpAbc123", "model.safetensors"]
+KEPT_VIAS = ["save_file", "staged_file"]
+
+
+@pytest.fixture(scope="module")
+def kept_copies(kit_mounts: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Every kept copy of the test below, made by one process that has exited, in one staging
+    root, then every sweep once: an activation's, `safestage clean`'s and `safestage doctor
+    --dir`'s (each a process with torch costs seconds: one round for the six cases). Each copy
+    is checked after each sweep: {(name, via): (errno, kept path, whole after each sweep)}."""
+    base = tmp_path_factory.mktemp("kept-copies")
+    stage_root = base / "stage-root"
+    stage_root.mkdir()
+    directory = Path(kit_mounts["close-eio"].path) / f"h-{uuid.uuid4().hex[:10]}"
+    directory.mkdir()
+    cases = [(name, via) for via in KEPT_VIAS for name in KEPT_NAMES]
+    for via in KEPT_VIAS:
+        (directory / via).mkdir()
+    done = subprocess.run(  # one owner: its six saves fail one after another, then it exits
+        [sys.executable, "-c", textwrap.dedent(FAILING_SAVES), str(stage_root),
+         json.dumps([[str(directory / via / name), via] for name, via in cases])],
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    assert report["errno"] == errno.EIO, "the close-eio fault did not fire"
-    kept = Path(report["kept"])
-    assert loads_equal(kept, arange_tensors(7)), "the PublishError named a copy that is not complete"
-
+    reports = json.loads(done.stdout)
+    assert None not in reports, f"a save onto close-eio did not fail: {reports}"
+    made = {case: (report["errno"], Path(report["kept"])) for case, report in zip(cases, reports)}
+    whole = {case: [loads_equal(kept, arange_tensors(7))] for case, (_, kept) in made.items()}
     safestage.activate(stage_root).close()  # the next activation's sweep
-    assert loads_equal(kept, arange_tensors(7)), "the activation sweep deleted the kept copy"
+    for case, (_, kept) in made.items():
+        whole[case].append(loads_equal(kept, arange_tensors(7)))
     cleaned = subprocess.run([sys.executable, "-m", "safestage", "clean", str(stage_root)], capture_output=True, text=True)
-    assert loads_equal(kept, arange_tensors(7)), f"safestage clean deleted the kept copy: {cleaned.stdout}"
-    probe_dir = tmp_path / "doctor-here"
+    for case, (_, kept) in made.items():
+        whole[case].append(loads_equal(kept, arange_tensors(7)))
+    probe_dir = base / "doctor-here"
     probe_dir.mkdir()
     subprocess.run(
         [sys.executable, "-m", "safestage", "doctor", str(probe_dir), "--dir", str(stage_root)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert loads_equal(kept, arange_tensors(7)), "safestage doctor --dir deleted the kept copy"
-    assert "kept" in cleaned.stdout and kept.parent.name in cleaned.stdout
+    for case, (_, kept) in made.items():
+        whole[case].append(loads_equal(kept, arange_tensors(7)))
+    return {"made": made, "whole": whole, "cleaned": cleaned.stdout}
+
+
+@pytest.mark.regression("0.1 hostile review of the hardening (issue 9): a kept copy survives every sweep after its owner exited")
+@pytest.mark.parametrize("name", KEPT_NAMES)
+@pytest.mark.parametrize("via", KEPT_VIAS)
+def test_a_kept_copy_survives_every_sweep_after_its_owner_exited(kept_copies, name, via):
+    failed_with, kept = kept_copies["made"][name, via]
+    assert failed_with == errno.EIO, "the close-eio fault did not fire"
+    made, activated, cleaned, doctored = kept_copies["whole"][name, via]
+    assert made, "the PublishError named a copy that is not complete"
+    assert activated, "the activation sweep deleted the kept copy"
+    assert cleaned, f"safestage clean deleted the kept copy: {kept_copies['cleaned']}"
+    assert doctored, "safestage doctor --dir deleted the kept copy"
+    assert "kept" in kept_copies["cleaned"] and kept.parent.name in kept_copies["cleaned"]
 
 
 @pytest.mark.regression("0.1 hostile review of the hardening (issue 9): a torn writer temp of a dead owner is still swept")

@@ -2,11 +2,15 @@
 
 Importable (the in-process tests) and a script (the environment tests)::
 
-    python _clients.py CLIENT REFERENCE DEST [DEST ...]
+    python _clients.py PLAN.json
 
-builds CLIENT's model, saves it into every DEST with the client's API, then ``torch.save``s
-what the checkpoint must hold to REFERENCE (on local disk). The script never mentions
-safestage: in the tests only SAFESTAGE_DIR in its environment stages its saves.
+PLAN: [{"client": CLIENT, "reference": REFERENCE, "destinations": [DEST, ...]}, ...]. For each
+entry, in order, in this one interpreter: builds CLIENT's model, saves it into every DEST with
+the client's API, then ``torch.save``s what the checkpoint must hold to REFERENCE (on local
+disk). Prints one JSON line last: {CLIENT: null, or the traceback of what it raised}; a client
+that fails does not stop the next one. The script never mentions safestage: in the tests only
+SAFESTAGE_DIR in its environment stages its saves (the start-up hook, before any client is
+imported, as in an interpreter of its own: one interpreter saves a start-up per client).
 Nothing is downloaded (HF_HUB_OFFLINE=1): every model comes from a config, every tokenizer
 from a vocabulary written here.
 """
@@ -325,14 +329,23 @@ CLIENTS: dict[str, Client] = {c.name: c for c in [
 
 
 def main(argv: list[str]) -> int:
-    name, reference, *destinations = argv
-    client = CLIENTS[name]
-    with tempfile.TemporaryDirectory() as scratch:
-        built = client.build(Path(scratch))
-        for dest in destinations:
-            client.save(built, Path(dest))
-        torch.save(client.reference(built), reference)
-    print(f"{name}: saved to {len(destinations)} destination(s)")
+    import traceback
+
+    (plan,) = argv
+    errors: dict[str, Optional[str]] = {}
+    for entry in json.loads(Path(plan).read_text()):
+        name = entry["client"]
+        try:
+            client = CLIENTS[name]
+            with tempfile.TemporaryDirectory() as scratch:
+                built = client.build(Path(scratch))
+                for dest in entry["destinations"]:
+                    client.save(built, Path(dest))
+                torch.save(client.reference(built), entry["reference"])
+            errors[name] = None
+        except BaseException:  # reported for this client's test; the next client goes on
+            errors[name] = traceback.format_exc()
+    print(json.dumps(errors))
     return 0
 
 

@@ -109,7 +109,22 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_client_script(client: str, reference: Path, destinations: list[Path], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """The unmodified client script, in a fresh interpreter of the dev venv."""
-    args = [sys.executable, str(HERE / "_clients.py"), client, str(reference), *map(str, destinations)]
-    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+def run_client_scripts(
+    plan: dict[str, tuple[Path, list[Path]]], env: dict[str, str], cwd: Path
+) -> dict[str, str | None]:
+    """The unmodified client script, in one fresh interpreter of the dev venv, for every client
+    of ``plan`` ({client: (reference, destinations)}) in turn: {client: None, or the traceback
+    of what it raised}. The interpreter itself must exit 0 having reported every client."""
+    path = cwd / "clients-plan.json"
+    path.write_text(json.dumps([
+        {"client": name, "reference": str(reference), "destinations": [str(d) for d in destinations]}
+        for name, (reference, destinations) in plan.items()
+    ]))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(HERE / "_clients.py"), str(path)], env=env, cwd=cwd, capture_output=True, text=True,
+        timeout=300 + 60 * len(plan),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    errors: dict[str, str | None] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(errors) == sorted(plan), (errors, done.stderr[-4000:])
+    return errors

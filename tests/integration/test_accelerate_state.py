@@ -55,3 +55,52 @@ def test_staged_file_keeps_the_optimizer_state_when_the_upload_fails(kit_mounts,
     kept = torch.load(info.value.staged_path, weights_only=False)
     assert_nested_equal(kept, trained.optimizer.state_dict(), "kept optimizer.bin")
     assert os.listdir(dest) == []
+
+
+# -- save_state of many ranks, one commit per checkpoint (docs/integrations.md's recipe) ------------
+
+RANKS = 4
+
+
+@pytest.fixture(scope="module")
+def dcp_job(tmp_path_factory, kit_mounts, real_mounts):
+    from tests import _dcp_job
+
+    return _dcp_job.shared(tmp_path_factory, kit_mounts, real_mounts)
+
+
+@pytest.mark.slow
+def test_save_state_of_every_rank_with_its_dcp_directories_is_one_commit_and_keep_prunes(dcp_job):
+    """4 ranks on two nodes (tests/_dcp_job.py): each step's ``checkpoint_N`` (model.safetensors,
+    optimizer.bin, every rank's random_states_<rank>.pkl, and the DCP subdirectories of
+    accelerate's FSDP save) is one commit, written last; ``keep=2`` left the two newest; every
+    rank's ``load_state`` of ``latest_complete`` restored what was saved."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from tests import _dcp_job
+
+    job, dests, roots = dcp_job
+    seen = _dcp_job.seen(job, "accelerate")
+    assert seen["latest"] == "checkpoint_3" and seen["loaded_equal"] is True, seen
+    parent = dests["accelerate"]
+    assert sorted(p.name for p in parent.iterdir()) == ["checkpoint_2", "checkpoint_3"]
+    data = {f"{sub}/__{rank}_0.distcp": rank for sub in ("pytorch_model_fsdp_0", "optimizer_0") for rank in range(RANKS)}
+    for checkpoint in parent.iterdir():
+        result = safestage.verify(checkpoint, deep=True)
+        assert result.complete and result.manifest is not None, result.problems
+        assert {entry.path: entry.rank for entry in result.manifest.files} == {
+            "model.safetensors": 0, "optimizer.bin": 0, **{f"random_states_{rank}.pkl": rank for rank in range(RANKS)},
+            "pytorch_model_fsdp_0/.metadata": 0, "optimizer_0/.metadata": 0, **data,
+        }  # fmt: skip
+        assert sorted(p.name for p in checkpoint.iterdir() if p.is_file()) == sorted(
+            ["model.safetensors", "optimizer.bin", *(f"random_states_{rank}.pkl" for rank in range(RANKS)), safestage.COMMIT_NAME]
+        )  # no temp file, no commit file of a DCP subdirectory's own: one checkpoint
+    state = {"model": {"weight": torch.zeros(8, 8), "bias": torch.zeros(8)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=parent / "checkpoint_3" / "pytorch_model_fsdp_0")  # stock DCP
+    assert torch.equal(state["model"]["weight"], torch.tensor(seen["weight"]))
+    for root in roots:
+        assert not list(root.rglob("safestage-kept.json"))

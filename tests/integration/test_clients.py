@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from _helpers import (
     clean_env,
     exception_text,
     fresh_dir,
-    run_client_script,
+    run_client_scripts,
     stray_files,
 )
 
@@ -30,6 +32,7 @@ import safestage
 pytestmark = pytest.mark.integration
 
 MODES = ["hdfs", "mountpoint"]
+SHM = Path("/dev/shm")
 NAMES = list(CLIENTS)
 
 
@@ -61,21 +64,34 @@ def test_staged_in_process(name, mode, kit_mounts, shm_root, tmp_path):
     assert os.listdir(shm_root) == [], "the staging root must be left empty"
 
 
+@pytest.fixture(scope="module")
+def by_environment(kit_mounts, tmp_path_factory):
+    """One fresh interpreter, staged by SAFESTAGE_DIR alone, saves every client to both mounts
+    (a start-up with torch and a client costs 5 to 20 s here: one, not one per client)."""
+    base = tmp_path_factory.mktemp("by-environment")
+    root = SHM / f"safestage-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    plan = {
+        name: (base / f"reference-{name}.pt", [fresh_dir(kit_mounts[mode], f"env-{name}") for mode in MODES])
+        for name in NAMES
+    }
+    try:
+        errors = run_client_scripts(plan, clean_env(SAFESTAGE_DIR=str(root)), base)
+        yield {"plan": plan, "errors": errors, "left": os.listdir(root)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_staged_by_environment_only(name, kit_mounts, shm_root, tmp_path):
-    """One interpreter per client saves to both mounts: the import of a client costs seconds."""
+def test_staged_by_environment_only(name, by_environment):
     client = CLIENTS[name]
-    destinations = {mode: fresh_dir(kit_mounts[mode], f"env-{name}") for mode in MODES}
-    reference = tmp_path / "reference.pt"
-    result = run_client_script(
-        name, reference, list(destinations.values()), clean_env(SAFESTAGE_DIR=str(shm_root)), tmp_path
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert by_environment["errors"][name] is None, by_environment["errors"][name]
+    reference, destinations = by_environment["plan"][name]
     expected = torch.load(reference, weights_only=False)
-    for mode, dest in destinations.items():
+    for mode, dest in zip(MODES, destinations):
         assert not stray_files(dest), (mode, stray_files(dest))
         assert_checkpoint(dest, client, expected)
-    assert os.listdir(shm_root) == [], "the staging root must be left empty"
+    assert by_environment["left"] == [], "the staging root must be left empty"
 
 
 def test_megatron_state_loads_without_the_package_init():

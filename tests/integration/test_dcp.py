@@ -153,12 +153,19 @@ def test_dcp_writers_plainly_on_s3fs(writer, real_dir):
     assert dcp_load_equal(real_dir, SMALL, writer)
 
 
-def test_hf_writer_is_not_staged_by_an_open_stage(kit_mounts, shm_root):
-    dest = fresh_dir(kit_mounts["hdfs"], "dcp-hf")
+@pytest.mark.parametrize("writer", ["hf", "fs", "fs-nosync"])
+def test_an_open_stage_commits_dcp_saves_of_dcps_own_writers(writer, kit_mounts, shm_root):
+    """What serialize_file and torch.save never see (safetensors.torch.save() to bytes, torch.save
+    into DCP's streams) is staged all the same: the switch wraps DCP's writer in a StagedWriter,
+    on mountpoint too, where the plain writers fail (PLAIN above)."""
+    dest = fresh_dir(kit_mounts["mountpoint"], f"dcp-{writer}") / "step-1"
     with safestage.staged(shm_root, torch_save=True) as stage:
-        dcp_save(dest, SMALL, "hf")  # safetensors.torch.save() to bytes; torch.save into streams
-        dcp_save(fresh_dir(kit_mounts["hdfs"], "dcp-fs"), SMALL, "fs")
-    assert stage.records == []
+        dcp_save(dest, SMALL, writer)
+    assert stage.records == []  # the commit's files are the writer's, not the stage's records
+    assert sorted(os.listdir(dest)) == sorted([*(HF_FILES if writer == "hf" else DCP_FILES), safestage.COMMIT_NAME])
+    assert safestage.verify(dest, deep=True).complete
+    assert dcp_load_equal(dest, SMALL, writer)
+    assert os.listdir(shm_root) == []
 
 
 # -- the recipe ------------------------------------------------------------------------------

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from _helpers import (
     exception_text,
     files_under,
     fresh_dir,
-    run_client_script,
+    run_client_scripts,
     stray_files,
 )
 from safetensors.torch import load_file
@@ -42,6 +44,7 @@ pytestmark = pytest.mark.integration
 MODES = ["rclone-s3", "s3fs"]
 NAMES = ["transformers", "hub-save_torch_state_dict"]
 TMP_NAME = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")  # safetensors 0.8's temp file (tempfile crate)
+SHM = Path("/dev/shm")
 SETTLE = 1.0  # seconds for a name rclone removed before its RELEASE to come back, if it does
 
 
@@ -100,21 +103,34 @@ def test_staged_in_process(name, mode, real_mounts, shm_root, tmp_path):
     assert_stored_as_listed(mount, dest)
 
 
+@pytest.fixture(scope="module")
+def by_environment(real_mounts, tmp_path_factory):
+    """One fresh interpreter, staged by SAFESTAGE_DIR alone, saves every client onto both
+    mounts (one start-up with torch and the clients, not one per client)."""
+    base = tmp_path_factory.mktemp("by-environment")
+    root = SHM / f"safestage-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    plan = {
+        name: (base / f"reference-{name}.pt", [fresh_dir(real_mounts[mode], f"env-{name}") for mode in MODES])
+        for name in NAMES
+    }
+    try:
+        errors = run_client_scripts(plan, clean_env(SAFESTAGE_DIR=str(root)), base)
+        yield {"plan": plan, "errors": errors, "left": os.listdir(root)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_staged_by_environment_only(name, real_mounts, shm_root, tmp_path):
-    """One interpreter per client saves onto both mounts, staged by SAFESTAGE_DIR alone."""
+def test_staged_by_environment_only(name, by_environment, real_mounts):
     client = CLIENTS[name]
-    destinations = {mode: fresh_dir(real_mounts[mode], f"env-{name}") for mode in MODES}
-    reference = tmp_path / "reference.pt"
-    result = run_client_script(
-        name, reference, list(destinations.values()), clean_env(SAFESTAGE_DIR=str(shm_root)), tmp_path
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert by_environment["errors"][name] is None, by_environment["errors"][name]
+    reference, destinations = by_environment["plan"][name]
     expected = torch.load(reference, weights_only=False)
-    for mode, dest in destinations.items():
+    for mode, dest in zip(MODES, destinations):
         assert_checkpoint(dest, client, expected)
         assert_stored_as_listed(real_mounts[mode], dest)
-    assert os.listdir(shm_root) == [], "the staging root must be left empty"
+    assert by_environment["left"] == [], "the staging root must be left empty"
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -31,6 +31,7 @@ import pytest
 import torch
 import transformers
 from _helpers import files_under, fresh_dir, stray_files
+from _support import tiered
 from safetensors.torch import load_file, save_file
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -115,7 +116,10 @@ def _global_step(checkpoint: Path) -> int:
     return int(json.loads((checkpoint / "trainer_state.json").read_text())["global_step"])
 
 
-@pytest.mark.parametrize("mode", sorted(KILL_WHEN))
+# CI: mountpoint (direct publishes, in the background: on_save must wait for them); the long
+# tier (SAFESTAGE_LONG=1) hdfs too. tests/integration/test_many_ranks.py runs the Trainer's
+# commits and resume on hdfs in CI.
+@pytest.mark.parametrize("mode", tiered(sorted(KILL_WHEN), ci=["mountpoint"]))
 def test_trainer_killed_mid_checkpoint_resumes_from_the_newest_committed(mode, kit_mounts, tmp_path):
     output_dir = fresh_dir(kit_mounts[mode], "run")
     root, logs = tmp_path / "scratch", tmp_path / "logs"

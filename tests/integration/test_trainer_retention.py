@@ -21,8 +21,8 @@ import transformers
 from _helpers import stray_files
 
 import safestage
-from safestage import _background
-from safestage._verify import step_of
+from safestage import _work
+from safestage.checkpoint._verify import step_of
 from safestage.transformers import CommitCallback
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ class _Probe(transformers.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if control.should_save:
-            self.in_flight_before_save.append(_background.running(self.commit))
+            self.in_flight_before_save.append(_work.running_count(self.commit))
 
 
 def _arguments(output_dir: Path, steps: int, limit: Optional[int] = None, **more: Any) -> transformers.TrainingArguments:
@@ -108,9 +108,9 @@ def test_keep_leaves_the_newest_complete_checkpoints_and_a_resume_from_latest_co
     # flight when the Trainer is about to write the next checkpoint), the last one waited for
     # by on_train_end (train() returned with checkpoint-4 committed).
     threads = _committed_threads(caplog)
-    assert threads == ["safestage-publish" if background else "MainThread"] * 4, threads
+    assert threads == ["safestage-commit" if background else "MainThread"] * 4, threads
     assert probe.in_flight_before_save == [0, 0, 0, 0]
-    assert _background.running(commit) == 0
+    assert _work.running_count(commit) == 0
 
     # A run killed while writing checkpoint-5 leaves it without a commit file (files of it
     # only): latest_complete names checkpoint-4, the resumed run starts there and prunes.
@@ -190,7 +190,7 @@ def test_a_failed_background_commit_stops_the_run_at_the_next_save_and_prunes_no
     assert _names(output_dir) == ["checkpoint-1", "checkpoint-2"]
     assert not (output_dir / "checkpoint-2" / safestage.COMMIT_NAME).exists()
     assert safestage.latest_complete(output_dir) == output_dir / "checkpoint-1"
-    _background.wait()  # observed: nothing left for exit to report
+    _work.wait()  # observed: nothing left for exit to report
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, "2"])

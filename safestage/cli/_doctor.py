@@ -52,15 +52,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from . import _patch
-from ._config import ENV_DIR, ENV_PUBLISH, Settings, resolve
-from ._errors import ConfigError, PublishError, StagingError
-from ._locks import Contended, claim, close_quietly, open_directory
-from ._mounts import MountInfo, mount_of
-from ._names import doctor_dir_name, parse_stage_dir
-from ._paths import real_directory
-from ._publish import NOT_SUPPORTED, write_all
-from ._stage import StagingRoot, errno_of, remove_tree
+from .. import _patch
+from .._config import ENV_DIR, ENV_PUBLISH, Settings, resolve
+from .._errors import ConfigError, PublishError, StagingError
+from .._kept import remove_tree
+from .._locks import Contended, claim, close_quietly, open_directory
+from .._mounts import MountInfo, mount_of
+from .._names import doctor_dir_name, parse_stage_dir
+from .._paths import real_directory
+from .._publish import NOT_SUPPORTED, write_all
+from .._stage import StagingRoot, errno_of
 
 SCHEMA = 1
 STEPS = (
@@ -453,7 +454,7 @@ def _plain_save(directory: Path, timeout: float) -> SaveReport:
 def _staged_save(
     directory: Path, settings: Settings, timeout: float, kept_copy: list[Path]
 ) -> SaveReport:
-    from ._api import Stage
+    from .._api import Stage
 
     target = directory / "staged.safetensors"
     stage = Stage(settings)

@@ -23,8 +23,9 @@ Format, version 1 (a newer version is refused by this reader, never guessed at):
      "directories": ["logs"]}
 
 A distributed commit (``staged_dir(group=...)``, ``safestage.dcp``) adds to each file entry
-``"rank"``, the global rank that wrote it: optional within version 1, so that older readers,
-which ignore unknown keys, still verify such a checkpoint.
+``"rank"``, the global rank that wrote it; since 0.4 a commit that knows when its save began
+adds ``"started_at"`` (a run's timeline, ``_timeline``). Both are optional within version 1, so
+that older readers, which ignore unknown keys, still verify such a checkpoint.
 
 ``files`` are sorted, relative, ``/``-separated, never ``..`` or absolute. ``directories``
 lists the empty directories of the checkpoint; they are recreated but not verified (object
@@ -44,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 COMMIT_NAME = "_SAFESTAGE_COMMIT.json"
+# Beside the commit file in a checkpoint a resumed run abandoned (_timeline).
+SET_ASIDE_NAME = "_SAFESTAGE_SET_ASIDE.json"
 FORMAT = "safestage.commit"
 VERSION = 1
 DIGEST = "crc32"
@@ -95,6 +98,7 @@ class Manifest:
     writer: Optional[dict[str, Any]] = None
     digest: str = DIGEST
     version: int = VERSION
+    started_at: str = ""  # when the save began, if the committer knew ("": not recorded)
 
     @property
     def total_bytes(self) -> int:
@@ -105,6 +109,7 @@ class Manifest:
             "format": FORMAT,
             "version": self.version,
             "committed_at": self.committed_at,
+            **({"started_at": self.started_at} if self.started_at else {}),
             "writer": self.writer or {},
             "digest": self.digest,
             "files": [_entry_json(entry) for entry in self.files],
@@ -128,15 +133,22 @@ def _entry_json(entry: FileEntry) -> dict[str, Any]:
     return document
 
 
-def new_manifest(files: list[FileEntry], directories: list[str], version: str) -> Manifest:
-    from ._names import HOST
+def new_manifest(
+    files: list[FileEntry], directories: list[str], version: str, started: Optional[float] = None
+) -> Manifest:
+    from .._names import HOST
 
     return Manifest(
         files=tuple(sorted(files, key=lambda entry: entry.path)),
         directories=tuple(sorted(directories)),
         committed_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
         writer={"safestage": version, "host": HOST, "pid": os.getpid()},
+        started_at="" if started is None else _iso(started),
     )
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat()
 
 
 def unsafe_path(path: object) -> Optional[str]:
@@ -153,6 +165,8 @@ def unsafe_path(path: object) -> Optional[str]:
         return "has an empty, '.' or '..' component"
     if path == COMMIT_NAME:
         return "is the commit file itself"
+    if path == SET_ASIDE_NAME:
+        return "is the set-aside marker itself"
     return None
 
 
@@ -164,7 +178,7 @@ def parse(data: bytes) -> Manifest:
         # RecursionError: deeply nested arrays ("[[[[..."), a foreign or hostile file.
         raise ManifestError(f"not valid JSON (a torn or foreign file?): {exc}") from exc
     if not isinstance(document, dict) or document.get("format") != FORMAT:
-        raise ManifestError(f"not a safestage commit file (no \"format\": {FORMAT!r})")
+        raise ManifestError(f'not a safestage commit file (no "format": {FORMAT!r})')
     version = document.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise ManifestError(f"bad format version {version!r}")
@@ -177,7 +191,7 @@ def parse(data: bytes) -> Manifest:
         raise ManifestError(f"unknown digest {document.get('digest')!r}")
     raw_files = document.get("files")
     if not isinstance(raw_files, list):
-        raise ManifestError("\"files\" is not a list")
+        raise ManifestError('"files" is not a list')
     files = []
     seen = set()
     for item in raw_files:
@@ -201,7 +215,7 @@ def parse(data: bytes) -> Manifest:
         files.append(FileEntry(path, size, digest, rank))
     raw_dirs = document.get("directories", [])
     if not isinstance(raw_dirs, list):
-        raise ManifestError("\"directories\" is not a list")
+        raise ManifestError('"directories" is not a list')
     for directory in raw_dirs:
         why = unsafe_path(directory)
         if why is not None:
@@ -211,6 +225,7 @@ def parse(data: bytes) -> Manifest:
         files=tuple(files),
         directories=tuple(raw_dirs),
         committed_at=str(document.get("committed_at", "")),
+        started_at=str(document.get("started_at", "")),
         writer=writer if isinstance(writer, dict) else None,
         version=version,
     )

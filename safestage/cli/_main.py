@@ -35,8 +35,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from . import __version__
-from ._config import (
+from .. import __version__
+from .._config import (
     ENV_BACKGROUND,
     ENV_DIR,
     ENV_PUBLISH,
@@ -49,10 +49,10 @@ from ._config import (
     parse_root,
     resolve,
 )
-from ._errors import ConfigError
+from .._errors import ConfigError
 
 if TYPE_CHECKING:
-    from ._config import Settings
+    from .._config import Settings
     from ._doctor import Report, SaveReport, StagingReport
 
 # `safestage latest`: 0 found (printed), 1 no complete checkpoint, 2 usage, 3 could not look.
@@ -104,7 +104,7 @@ def _background_argument(value: str) -> int:
 
 
 def _keep_argument(value: str) -> int:
-    from ._prune import check_keep
+    from ..checkpoint._prune import check_keep
 
     try:
         return check_keep(int(value) if value.strip().isdigit() else value, "--keep")
@@ -113,7 +113,7 @@ def _keep_argument(value: str) -> int:
 
 
 def _pattern_argument(value: str) -> str:
-    from ._prune import check_pattern
+    from ..checkpoint._prune import check_pattern
 
     try:
         return check_pattern(value, "--pattern")
@@ -212,12 +212,17 @@ def _parser() -> argparse.ArgumentParser:
         "commit the checkpoint directory to the destination its record names (the commit of "
         "staged_dir: the commit file last), or publish the file, then remove the copy. Refuse, "
         "touching nothing, what cannot be done right (the destination's parent missing, a newer "
-        "complete checkpoint there, files not matching the record, a rank of a distributed "
-        "commit). Exit 0 all recovered, 1 something failed or was refused, 3 ROOT could not be "
-        "read.",
+        "complete checkpoint there, files not matching the record, one rank's part of a "
+        "checkpoint). Each copy is shown with the job that kept it (host, pid, command line): the "
+        "default root is shared by every job of the user on the host. Exit 0 all recovered, 1 "
+        "something failed or was refused, 3 ROOT could not be read.",
     )
     recover.add_argument("root", metavar="ROOT", nargs="?", type=_root_argument, default=None,
                          help="the staging root (default: SAFESTAGE_DIR, else $TMPDIR/safestage-<uid>)")  # fmt: skip
+    recover.add_argument("--dest", metavar="PATH", type=Path,
+                         help="only the copies whose destination is PATH or lies under it")  # fmt: skip
+    recover.add_argument("--discard", metavar="COPY", type=Path,
+                         help="delete the kept copy COPY (a path recover printed), once its owner is gone")  # fmt: skip
     recover.add_argument("--dry-run", action="store_true", help="only say what would be done")
     recover.add_argument("--json", action="store_true", help="print one JSON object")
     recover.set_defaults(handler=_recover)
@@ -239,14 +244,17 @@ def _parser() -> argparse.ArgumentParser:
         "latest",
         help="print the newest complete checkpoint directory in PARENT",
         description="Print the newest complete checkpoint in PARENT: among the directories "
-        "matching --pattern, the highest step number in the name (its last run of digits), "
-        "then the latest commit. Exit 0 with the path printed; 1 if none is complete; 3 if it "
-        "could not look (PARENT cannot be listed, or no candidate could be read). A newer "
-        "candidate skipped because it could not be read is named in a WARNING line on stderr.",
+        "matching --pattern, the highest step number (what the pattern's last * matches), "
+        "then the latest commit; never one a resumed run set aside. Exit 0 with the path "
+        "printed; 1 if none is complete (the committed directories the pattern does not take "
+        "are named); 3 if it could not look (PARENT cannot be listed, or no candidate could be "
+        "read). A newer candidate skipped because it could not be read is named in a WARNING "
+        "line on stderr.",
     )
     latest.add_argument("parent", metavar="PARENT", type=Path, help="the directory holding the checkpoints")
     latest.add_argument("--pattern", metavar="P", default="checkpoint-*",
-                        help="fnmatch pattern of checkpoint names (default: checkpoint-*)")  # fmt: skip
+                        help="fnmatch pattern of checkpoint names whose last * is the step number "
+                        "(default: checkpoint-*, which takes checkpoint-500, not checkpoint-500-merged)")  # fmt: skip
     latest.add_argument("--deep", action="store_true", help="verify candidates deeply (reads them)")
     latest.set_defaults(handler=_latest)
 
@@ -258,7 +266,8 @@ def _parser() -> argparse.ArgumentParser:
         "the incomplete ones older than the newest complete one. Never the newest complete "
         "one, nor an incomplete one at least as new (a save in progress), nor one a live "
         "safestage commit on this host is writing (seen through the staging roots: --dir, "
-        "SAFESTAGE_DIR, the default root), nor a name without a step number or a symlink. "
+        "SAFESTAGE_DIR, the default root), nor one a resumed run set aside (not counted "
+        "either), nor a name without a step number or a symlink. "
         "The commit file goes first, then the rest. Prints each checkpoint removed (or that "
         "would be, --dry-run) and each kept for a reason. Exit 0 done; 1 a removal failed; 2 "
         "usage; 3 could not look (PARENT cannot be listed).",
@@ -267,7 +276,8 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--keep", metavar="N", type=_keep_argument, required=True,
                        help="how many complete checkpoints to keep (>= 1)")  # fmt: skip
     prune.add_argument("--pattern", metavar="P", default="checkpoint-*", type=_pattern_argument,
-                       help="fnmatch pattern of checkpoint names (default: checkpoint-*)")  # fmt: skip
+                       help="fnmatch pattern of checkpoint names whose last * is the step number "
+                       "(default: checkpoint-*)")  # fmt: skip
     prune.add_argument("--dir", metavar="STAGING_ROOT", type=Path,
                        help="also look for live commits in this staging root")  # fmt: skip
     prune.add_argument("--dry-run", action="store_true", help="only say what would be removed")
@@ -305,8 +315,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _kit_up(args: argparse.Namespace) -> int:
-    from .testing import MODES, FuseUnavailable
-    from .testing._mount import KeptMount
+    from ..testing import MODES, FuseUnavailable
+    from ..testing._mount import KeptMount
 
     if args.mode not in MODES:
         return _usage_error("kit up", f"unknown mode {args.mode!r}: choose one of {', '.join(MODES)}")
@@ -329,7 +339,7 @@ def _kit_up(args: argparse.Namespace) -> int:
 
 
 def _kit_down(args: argparse.Namespace) -> int:
-    from .testing._mount import unmount_kept
+    from ..testing._mount import unmount_kept
 
     try:
         politely = unmount_kept(args.path)
@@ -342,8 +352,8 @@ def _kit_down(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import textwrap
 
-    from .testing import FuseUnavailable
-    from .testing._demo import THE_DIFFERENCE, run_demo
+    from ..testing import FuseUnavailable
+    from ..testing._demo import THE_DIFFERENCE, run_demo
 
     try:
         rows = run_demo(progress=lambda text: print(f"... {text}", file=sys.stderr))
@@ -648,8 +658,8 @@ def _hook_files() -> list[str]:
 
 def status_report(environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
     """What `safestage status --json` prints (keys in the module docstring)."""
-    from . import is_active
-    from ._autoload import switched_on
+    from .. import is_active
+    from .._autoload import switched_on
 
     env = os.environ if environ is None else environ
     report: dict[str, Any] = {
@@ -686,8 +696,8 @@ def status_report(environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]
 
 def _root_problem(settings: Settings) -> Optional[str]:
     """Why activation with ``settings`` would fail on its staging root, or None."""
-    from ._errors import StagingError
-    from ._stage import check_root
+    from .._errors import StagingError
+    from .._stage import check_root
 
     try:
         check_root(settings.staging_root(), is_default=settings.root is None)
@@ -757,7 +767,7 @@ def _activation_text(report: Mapping[str, Any]) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ._verify import verify
+    from ..checkpoint._verify import verify
 
     with _progress_bar(enabled=args.deep and not args.json) as progress:
         result = verify(args.path, deep=args.deep, progress=progress)
@@ -773,6 +783,9 @@ def _verify(args: argparse.Namespace) -> int:
             f"{checked}; committed {manifest.committed_at} by {writer.get('host', '?')} pid "
             f"{writer.get('pid', '?')}"
         )
+        if result.set_aside is not None:
+            print(f"  but {result.set_aside.describe()}: latest_complete never names it (delete it, or "
+                  "re-commit this step, if that run was the one to keep)")  # fmt: skip
     else:
         print(f"{args.path}: NOT complete")
         for problem in result.problems:
@@ -807,7 +820,7 @@ def _progress_bar(*, enabled: bool) -> Iterator[Optional[Callable[[int, int], No
 
 
 def _latest(args: argparse.Namespace) -> int:
-    from ._verify import find_latest
+    from ..checkpoint._verify import find_latest
 
     error = _existing_directory("latest", args.parent)
     if error is not None:
@@ -829,14 +842,39 @@ def _latest(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return LATEST_COULD_NOT_LOOK
-        print(f"safestage latest: no complete checkpoint matching {args.pattern!r} in {args.parent}", file=sys.stderr)
+        print(f"safestage latest: no complete checkpoint matching {args.pattern!r} in {args.parent}"
+              + _what_else(args.parent, args.pattern), file=sys.stderr)  # fmt: skip
         return 1
     print(found)
     return 0
 
 
+def _what_else(parent: Path, pattern: str) -> str:
+    """What a `latest` that found nothing did see: the committed directories whose names the
+    pattern does not take, and a pattern that would (the DCP docs name them step-*)."""
+    from ..checkpoint._timeline import series
+    from ..checkpoint._verify import matcher, read_commit
+
+    takes = matcher(pattern)
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return ""
+    others = [name for name in names if takes(name) is None and read_commit(parent / name)[0] is not None]
+    if not others:
+        return ""
+    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    suggestions = []
+    for name in others:
+        parts = series(name)
+        if parts is not None and f"{parts[0]}*{parts[1]}" not in suggestions:
+            suggestions.append(f"{parts[0]}*{parts[1]}")
+    hint = f" (try --pattern {suggestions[0]!r})" if suggestions else ""
+    return f"; it holds committed directories the pattern does not take: {shown}{hint}"
+
+
 def _prune(args: argparse.Namespace) -> int:
-    from ._prune import apply, known_roots, plan
+    from ..checkpoint._prune import apply, known_roots, plan
 
     error = _existing_directory("prune", args.parent)
     if error is not None:
@@ -873,7 +911,7 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _clean(args: argparse.Namespace) -> int:
-    from ._clean import KINDS, clean
+    from .._clean import KINDS, clean
 
     error = _existing_directory("clean", args.path)
     if error is not None:
@@ -920,11 +958,20 @@ def _clean(args: argparse.Namespace) -> int:
 
 
 def _recover(args: argparse.Namespace) -> int:
-    from ._errors import StagingError
-    from ._recover import ACTIONS, recover
+    from .._errors import StagingError
+    from ..checkpoint._recover import ACTIONS, discard_copy, recover
 
+    if args.discard is not None:
+        if args.root is not None or args.dest is not None or args.dry_run:
+            return _usage_error("recover", "--discard COPY takes no ROOT, --dest or --dry-run")
+        why = discard_copy(args.discard)
+        if why is not None:
+            print(f"safestage recover: did not discard {args.discard}: {why}", file=sys.stderr)
+            return 1
+        _print_line(f"discarded {args.discard}")
+        return 0
     try:
-        results = recover(args.root, dry_run=args.dry_run)
+        results = recover(args.root, dry_run=args.dry_run, dest=args.dest)
     except ConfigError as exc:
         return _usage_error("recover", str(exc))
     except StagingError as exc:  # the root is missing, unreadable, not a usable staging root
@@ -941,6 +988,8 @@ def _recover(args: argparse.Namespace) -> int:
         return status
     for result in results:
         _print_line(f"{result.action}  {result.local} -> {result.destination or '?'}: {result.reason}")
+        if result.job is not None:
+            _print_line(f"    kept by {result.job}")
     summary = ", ".join(f"{count} {action}" for action, count in counts.items() if count)
     _print_line(f"{summary or 'no kept copy'} (kept copies in {args.root or 'the staging root'})")
     return status

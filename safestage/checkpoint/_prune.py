@@ -5,29 +5,28 @@ Asynchronous saves keep losing checkpoints to retention that does not wait: Mega
 deleted the checkpoint that had just finished because a newer one, still being written, looked
 newest. Here "newest" means "newest complete": a checkpoint counts once its commit file has
 landed and every file it lists is there (``_verify``, the shallow check ``latest_complete``
-makes), in ``latest_complete``'s order (the step number in the name, then the commit time).
+makes), in ``latest_complete``'s order (the step number, then the commit time), and only if no
+resumed run set it aside (``_timeline``).
 
-What is removed, among the directories of ``parent`` matching ``pattern``:
+What is removed, among the directories of ``parent`` whose names match ``pattern`` (its last
+``*`` standing for the step number, as for ``latest_complete``):
 
 - complete checkpoints beyond the ``keep`` newest complete ones;
 - incomplete ones with a lower step number than the newest complete one (a killed or failed
-  save's leftovers).
+  save's leftovers; a kept copy of one holds all its files, so `safestage recover` loses
+  nothing by it).
 
-What is never removed: the newest complete checkpoint (``keep`` >= 1); an incomplete one whose
-step is not lower than the newest complete one's (a save in progress, Megatron-Bridge#5184);
-anything while no checkpoint is complete; a name without a step number (a hand-made
-``checkpoint-best``); a symlink (nor what it points to); one whose commit file or files cannot
-be read (EACCES, EIO: it cannot be told apart from a complete one); one that a live process is
-committing or writing into, as far as safestage can see it:
-
-- this process: a ``staged_dir`` commit of it (``_inflight``), a background publish or a save
-  in progress of a file under it (``_background``, ``_save``);
-- other processes of this host: a staging directory in a staging root we know of (the default
-  root, ``SAFESTAGE_DIR``, ``root=``, the roots this process used) whose owner holds its lock
-  (``_locks``) and whose ``safestage-kept.json`` names the checkpoint or a file in it (written
-  when a commit starts publishing, before the destination is touched);
-- and one that a kept copy is for (the same record, its owner gone or its commit failed): the
-  destination holds the files that landed, the kept copy the rest; a recover needs both.
+What is never removed: the newest complete checkpoint (``keep`` >= 1) and the one just
+committed; a checkpoint a resumed run set aside (``_timeline``: it is never counted either, and
+never named by ``latest_complete``; the new timeline replaces it when it reaches that step, or
+the user deletes it, told once by a WARNING); an incomplete one whose step is not lower than the newest complete one's (a save in
+progress, Megatron-Bridge#5184); anything while no checkpoint is complete; a symlink (nor what
+it points to); one whose commit file or files cannot be read (EACCES, EIO: it cannot be told
+apart from a complete one); one that a live process is committing or writing into, as far as
+safestage can see it: this process's jobs (``_work``), and other processes of this host whose
+locked save directory in a staging root we know of (the default root, ``SAFESTAGE_DIR``,
+``root=``, the roots this process used) records the checkpoint (``_kept``). A checkpoint kept
+beyond ``keep`` for such a reason is named in a WARNING, once per process.
 
 Not seen: processes on other hosts (their locks live in their kernel), writers that do not go
 through safestage, and ``commit_in_place`` in another process. safestage's own writers never
@@ -45,25 +44,31 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
 import logging
 import os
 import stat
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from . import _background, _inflight, _save
-from ._clean import _process_alive, kept_destination
-from ._config import ENV_DIR, PathArg, default_root, env_value
-from ._errors import ConfigError
-from ._locks import taken
+from .. import _kept, _save, _work
+from .._config import ENV_DIR, PathArg, default_root, env_value
+from .._errors import ConfigError
+from .._paths import real_directory
+from .._publish import fsync_directory
 from ._manifest import COMMIT_NAME
-from ._names import DISPOSABLE_MARKER, parse_stage_dir
-from ._paths import real_directory
-from ._publish import fsync_directory
-from ._verify import _text, as_path, check, list_run_directory, read_commit, step_of
+from ._verify import (
+    SetAside,
+    as_path,
+    check,
+    describe_error,
+    list_run_directory,
+    matcher,
+    read_commit,
+    set_aside_by,
+)
 
 log = logging.getLogger("safestage")
 
@@ -71,13 +76,15 @@ log = logging.getLogger("safestage")
 @dataclass(frozen=True)
 class Decision:
     """What a prune does with one checkpoint: ``action`` "remove" or "keep", and why.
-    ``routine``: kept for the ordinary reasons (among the newest), not worth a line."""
+    ``routine``: kept for the ordinary reasons (among the newest), not worth a line.
+    ``loud``: worth a WARNING, once per process (kept beyond keep for a reason the caller
+    should know, set aside by a resumed run, or could not be read)."""
 
     path: Path
     action: str
     reason: str
     routine: bool = False
-    unreadable: bool = False  # kept because it could not be read: a WARNING, as latest_complete's
+    loud: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,11 @@ class Retention:
     pattern: str
 
     def after_commit(
-        self, dest: Path, staging_root: Optional[Path], *, spare: Optional[Mapping[Path, str]] = None
+        self,
+        dest: Path,
+        staging_root: Optional[Path],
+        *,
+        spare: Optional[Mapping[Path, str]] = None,
     ) -> list[Path]:
         """Prune ``dest.parent`` once ``dest``'s commit file has landed. Never raises (but a
         KeyboardInterrupt): the checkpoint is complete, and a cleanup that could not be done must not
@@ -121,13 +132,14 @@ def prune(
     and the incomplete ones older than the newest complete one that no live process is
     committing; return what was removed (``dry_run``: what would be), oldest first.
 
-    ``pattern`` is an fnmatch pattern of checkpoint names, ordered as ``latest_complete``
-    orders them. ``root``: a staging root to look in for live commits, besides the default
-    root, ``SAFESTAGE_DIR`` and the roots this process used. Never removes the newest complete
-    checkpoint, an incomplete one at least as new (a save in progress), or one a live process
-    of this host is committing (see the module docstring for what cannot be seen). Raises
-    ConfigError for a bad ``keep`` or ``pattern``, the OSError when ``parent`` cannot be listed
-    or a removal fails (naming the path, the errno, and what was removed before)."""
+    ``pattern`` is an fnmatch pattern of checkpoint names whose last ``*`` stands for the step
+    number, ordered as ``latest_complete`` orders them. ``root``: a staging root to look in for
+    live commits, besides the default root, ``SAFESTAGE_DIR`` and the roots this process used.
+    Never removes the newest complete checkpoint, an incomplete one at least as new (a save in
+    progress), or one a live process of this host is committing (see the module docstring for
+    what cannot be seen). Raises ConfigError for a bad ``keep`` or ``pattern``, the OSError when
+    ``parent`` cannot be listed or a removal fails (naming the path, the errno, and what was
+    removed before)."""
     keep = check_keep(keep, "safestage.prune")
     check_pattern(pattern, "safestage.prune")
     decisions = plan(parent, keep, pattern, roots=known_roots(root))
@@ -150,7 +162,8 @@ def check_pattern(pattern: object, where: str) -> str:
     if not isinstance(pattern, str) or not pattern or "/" in pattern:
         raise ConfigError(
             f"{where}: pattern={pattern!r}: expected an fnmatch pattern of checkpoint names "
-            "in the parent directory, such as 'checkpoint-*' (not empty, no '/')"
+            "in the parent directory whose last '*' stands for the step number, such as "
+            "'checkpoint-*' (not empty, no '/')"
         )
     return pattern
 
@@ -158,7 +171,8 @@ def check_pattern(pattern: object, where: str) -> str:
 def retention_for(dest: PathArg, keep: object) -> Optional[Retention]:
     """``staged_dir(dest, keep=...)``: None without keep; else the pattern of ``dest``'s
     siblings, its name with the trailing step number as ``*`` (checkpoint-1000 ->
-    checkpoint-*, step_000100 -> step_*). ConfigError if the name ends in no digits."""
+    checkpoint-*, step_000100 -> step_*), which matches step numbers only. ConfigError if the
+    name ends in no digits."""
     if keep is None:
         return None
     count = check_keep(keep, "safestage.staged_dir")
@@ -191,8 +205,7 @@ def known_roots(root: Optional[PathArg] = None) -> list[Path]:
     if configured is not None:
         candidates.append(Path(configured))
     candidates.append(default_root())
-    # This process's checked roots (a root= passed to staged_dir, never to prune).
-    candidates += [path for (pid, path, _) in list(_save._roots) if pid == os.getpid()]
+    candidates += _save.checked_roots()  # a root= passed to staged_dir, never to prune
     found: list[Path] = []
     for candidate in candidates:
         real = real_directory(candidate)
@@ -201,56 +214,7 @@ def known_roots(root: Optional[PathArg] = None) -> list[Path]:
     return found
 
 
-def busy_destinations() -> dict[Path, str]:
-    """Destinations this process is committing or publishing into now: {path: what}."""
-    busy: dict[Path, str] = {}
-    for dest in _inflight.committing_now():
-        busy[dest] = "this process is committing it"
-    current = _background._current()
-    if current is not None:
-        for dest, _ in current.pending_copies():
-            busy.setdefault(dest, f"this process is publishing {dest} in the background")
-    with _save._progress:
-        saving = list(_save._saving)
-    for dest in saving:
-        busy.setdefault(dest, f"this process is saving {dest}")
-    return busy
-
-
-def _staging_claims(roots: list[Path]) -> dict[Path, str]:
-    """{destination: why} of the staging directories in ``roots`` that record one: a live
-    commit (its owner holds the lock) or a kept copy (the owner gone, or its commit failed).
-    A directory marked disposable whose owner is gone holds nothing needed (_names)."""
-    claims: dict[Path, str] = {}
-    for root in roots:
-        try:
-            with os.scandir(root) as listing:
-                names = [entry.name for entry in listing if entry.is_dir(follow_symlinks=False)]
-        except OSError as exc:
-            log.debug("cannot look for live commits in %s: %s", root, exc)
-            continue
-        for name in sorted(names):
-            owner = parse_stage_dir(name)
-            if owner is None:
-                continue
-            directory = root / name
-            destination = kept_destination(directory)
-            if destination is None:
-                continue
-            with taken(directory, directory=True) as locked:
-                live = locked is False or (locked is None and owner.is_this_host() and _process_alive(owner.pid))
-            if live:
-                why = f"pid {owner.pid} is committing it (its staging directory {directory} is locked)"
-            elif os.path.lexists(directory / DISPOSABLE_MARKER):
-                continue
-            else:
-                why = (f"a kept copy of a commit that did not finish is at {directory}: recover it, "
-                       "or delete that copy, and prune removes it")  # fmt: skip
-            claims.setdefault(Path(destination), why)
-    return claims
-
-
-def _claim_on(path: Path, claims: dict[Path, str]) -> Optional[str]:
+def _claim_on(path: Path, claims: Mapping[Path, str]) -> Optional[str]:
     """Why ``path`` (a checkpoint, the kernel's path) is claimed: itself or a file under it."""
     for claimed, why in claims.items():
         if claimed == path or path in claimed.parents:
@@ -270,6 +234,7 @@ class _Candidate:
     complete: bool = False
     unreadable: Optional[str] = None
     symlink: bool = False
+    set_aside: Optional[SetAside] = None
 
 
 def plan(
@@ -289,33 +254,43 @@ def plan(
     base = as_path(parent)
     listing = list_run_directory(base)
     kernel_base = real_directory(base) or base
+    step_of_name = matcher(pattern)
+    steps = {name: step for name in listing if (step := step_of_name(name)) is not None}
     candidates = []
-    for name in sorted((n for n in listing if fnmatch.fnmatchcase(n, pattern)), key=lambda n: (step_of(n), n), reverse=True):
-        candidate = _inspect(base, name)
+    for name in sorted(steps, key=lambda n: (steps[n], n), reverse=True):
+        candidate = _inspect(base, name, steps[name])
         if candidate is not None:
             candidates.append(candidate)
-    complete = sorted((c for c in candidates if c.complete), key=lambda c: (c.step, c.mtime, c.name), reverse=True)
+    complete = sorted((c for c in candidates if c.complete and c.set_aside is None),
+                      key=lambda c: (c.step, c.mtime, c.name), reverse=True)  # fmt: skip
     if not complete:
         return [Decision(base / c.name, "keep", "no checkpoint here is complete yet: nothing is removed"
                          if c.unreadable is None else f"could not be read ({c.unreadable})",
-                         routine=c.unreadable is None, unreadable=c.unreadable is not None)
+                         routine=c.unreadable is None, loud=c.unreadable is not None)
                 for c in candidates]  # fmt: skip
     newest = complete[0]
     kept_complete = {c.name for c in complete[:keep]}
     wanted: dict[str, str] = {}
-    newer = f"the {keep} newest complete ones" if keep > 1 else f"the newest complete one, {newest.name}"
+    newer = (
+        f"the {keep} newest complete ones"
+        if keep > 1
+        else f"the newest complete one, {newest.name}"
+    )
     for c in complete[keep:]:
         wanted[c.name] = f"complete, older than {newer}"
     for c in candidates:
         if not c.complete and c.unreadable is None and c.step < newest.step:
-            wanted[c.name] = f"not complete, and older than the newest complete checkpoint {newest.name}"
+            wanted[c.name] = (
+                f"not complete, and older than the newest complete checkpoint {newest.name}"
+            )
     claims: Optional[dict[Path, str]] = None
     decisions = []
     for c in candidates:
         path = base / c.name
         if c.name not in wanted:
+            loud = c.unreadable is not None or c.set_aside is not None
             decisions.append(Decision(path, "keep", _why_kept(c, newest, keep, kept_complete),
-                                      routine=c.unreadable is None, unreadable=c.unreadable is not None))  # fmt: skip
+                                      routine=not loud, loud=loud))  # fmt: skip
             continue
         why_not = None
         if c.step < 0:
@@ -328,25 +303,26 @@ def plan(
             why_not = spare[kernel_base / c.name]
         else:
             if claims is None:  # only when something is to go: the roots are read once
-                claims = {**_staging_claims(roots), **busy_destinations()}
+                claims = {**_kept.claims(roots), **_work.busy()}
             why_not = _claim_on(kernel_base / c.name, claims)
-        if why_not is not None:  # a name without a step number is the user's: DEBUG, not a line per commit
-            decisions.append(Decision(path, "keep", why_not, routine=c.step < 0))
+        if why_not is not None:
+            decisions.append(Decision(path, "keep", f"{why_not} (it would go otherwise: {wanted[c.name]})",
+                                      routine=c.step < 0, loud=c.step >= 0 and not c.symlink))  # fmt: skip
         else:
             decisions.append(Decision(path, "remove", wanted[c.name]))
     return decisions
 
 
-def _inspect(base: Path, name: str) -> Optional[_Candidate]:
+def _inspect(base: Path, name: str, step: int) -> Optional[_Candidate]:
     """One entry of the parent, or None if it is no directory (nor a symlink to one)."""
     path = base / name
-    candidate = _Candidate(name, step_of(name))
+    candidate = _Candidate(name, step)
     try:
         info = os.lstat(path)
     except FileNotFoundError:
         return None  # removed meanwhile
     except OSError as exc:
-        candidate.unreadable = _text(exc)
+        candidate.unreadable = describe_error(exc)
         return candidate
     if stat.S_ISLNK(info.st_mode):
         candidate.symlink = True
@@ -365,14 +341,23 @@ def _inspect(base: Path, name: str) -> Optional[_Candidate]:
     if unreadable:
         candidate.unreadable = f"{unreadable[0].path}: {unreadable[0].message}"
     candidate.complete = result.complete
+    if candidate.complete:
+        candidate.set_aside = set_aside_by(path)
     return candidate
 
 
 def _why_kept(c: _Candidate, newest: _Candidate, keep: int, kept_complete: set[str]) -> str:
+    if c.set_aside is not None:
+        return (f"{c.set_aside.describe()}; retention neither counts nor removes it: delete it if "
+                "it is not wanted (a re-commit of its step replaces it)")  # fmt: skip
     if c.unreadable is not None:
         return f"could not be read ({c.unreadable}): it cannot be told apart from a complete one"
     if c.name in kept_complete:
-        return "the newest complete checkpoint" if c is newest else f"one of the {keep} newest complete"
+        return (
+            "the newest complete checkpoint"
+            if c is newest
+            else f"one of the {keep} newest complete"
+        )
     return (f"not complete, and not older than the newest complete checkpoint {newest.name}: "
             "a save in progress (Megatron-Bridge#5184)")  # fmt: skip
 
@@ -387,16 +372,33 @@ def apply(decisions: list[Decision], *, dry_run: bool = False) -> list[Path]:
     removed: list[Path] = []
     for decision in reversed(decisions):
         if decision.action != "remove":
-            level = logging.WARNING if decision.unreadable else logging.DEBUG if decision.routine else logging.INFO
-            log.log(level, "safestage.prune: keeping %s: %s", decision.path, decision.reason)
+            if decision.loud and _first_time(decision):
+                log.warning("safestage.prune: keeping %s: %s", decision.path, decision.reason)
+            else:
+                log.log(logging.DEBUG if decision.routine else logging.INFO,
+                        "safestage.prune: keeping %s: %s", decision.path, decision.reason)  # fmt: skip
             continue
+        level = logging.WARNING if decision.loud else logging.INFO
         if dry_run:
-            log.info("safestage.prune: would remove %s (%s)", decision.path, decision.reason)
+            log.log(level, "safestage.prune: would remove %s (%s)", decision.path, decision.reason)
         else:
             remove_checkpoint(decision.path, removed)
-            log.info("safestage.prune: removed %s (%s)", decision.path, decision.reason)
+            log.log(level, "safestage.prune: removed %s (%s)", decision.path, decision.reason)
         removed.append(decision.path)
     return removed
+
+
+_warned: set[tuple[Path, str]] = set()  # (checkpoint, why kept) already said in this process
+_warned_lock = threading.Lock()
+
+
+def _first_time(decision: Decision) -> bool:
+    with _warned_lock:
+        key = (decision.path, decision.reason)
+        if key in _warned:
+            return False
+        _warned.add(key)
+        return True
 
 
 def remove_checkpoint(path: Path, removed_before: Union[list[Path], tuple[Path, ...]] = ()) -> None:
@@ -432,7 +434,12 @@ def _remove_below(directory: Path) -> None:
             continue  # gone meanwhile
 
 
-def _removal_error(path: Path, exc: OSError, commit_removed: bool, removed_before: Union[list[Path], tuple[Path, ...]]) -> OSError:
+def _removal_error(
+    path: Path,
+    exc: OSError,
+    commit_removed: bool,
+    removed_before: Union[list[Path], tuple[Path, ...]],
+) -> OSError:
     where = os.fsdecode(exc.filename) if exc.filename else str(path)
     if exc.errno == errno.ENOTEMPTY:
         advice = "something is writing into it: find that writer, let it finish, then prune again"
@@ -447,5 +454,7 @@ def _removal_error(path: Path, exc: OSError, commit_removed: bool, removed_befor
     before = f"; removed before it: {', '.join(map(str, removed_before))}" if removed_before else ""
     # str() of the OSError ends with the path that failed (``where``).
     return type(exc)(
-        exc.errno, f"safestage.prune could not remove {path}: {_text(exc)}: {advice}; {state}{before}", where
+        exc.errno,
+        f"safestage.prune could not remove {path}: {describe_error(exc)}: {advice}; {state}{before}",
+        where,
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import functools
 import itertools
 import json
 import logging
@@ -26,17 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ._config import PathArg
+from .._config import PathArg
+from .._publish import CHUNK_BYTES
 from ._manifest import (
     COMMIT_NAME,
     MAX_COMMIT_BYTES,
+    SET_ASIDE_NAME,
     Crc32,
     Manifest,
     ManifestError,
     NewerFormatError,
     parse,
 )
-from ._publish import CHUNK_BYTES
 
 log = logging.getLogger("safestage")
 
@@ -78,6 +80,8 @@ class VerifyResult:
     files_checked: int = 0
     bytes_read: int = 0  # deep: bytes read to check digests and headers
     extra: list[str] = field(default_factory=list)  # deep: files the manifest does not list
+    # Complete, but a resumed run abandoned it (_timeline): latest_complete never names it.
+    set_aside: Optional[SetAside] = None
 
     @property
     def complete(self) -> bool:
@@ -97,6 +101,9 @@ class VerifyResult:
             "files_checked": self.files_checked,
             "bytes_read": self.bytes_read,
             "extra": self.extra,
+            "set_aside": None
+            if self.set_aside is None
+            else {"by": self.set_aside.by, "at": self.set_aside.at},
         }
 
 
@@ -114,16 +121,21 @@ def verify(
             what = "does not exist" if not os.path.lexists(directory) else "is not a directory"
             problem = Problem("", "not-a-directory", f"{directory} {what}")
         return VerifyResult(directory, deep, problems=[problem])
-    return check(directory, manifest, deep=deep, progress=progress)
+    result = check(directory, manifest, deep=deep, progress=progress)
+    result.set_aside = set_aside_by(directory)
+    return result
 
 
 def latest_complete(
     parent: PathArg, pattern: str = "checkpoint-*", *, deep: bool = False
 ) -> Optional[Path]:
-    """The newest complete checkpoint directory in ``parent`` whose name matches ``pattern``
-    (fnmatch, case-sensitive): the highest step number (the last run of digits in the name;
-    names without one come last), then the latest commit (the commit file's mtime). None
-    if no directory there is complete.
+    """The newest complete checkpoint directory in ``parent`` whose name matches ``pattern``:
+    the highest step number, then the latest commit (the commit file's mtime). None if no
+    directory there is complete. ``pattern`` is an fnmatch pattern (case-sensitive) whose last
+    ``*`` stands for the step number: ``checkpoint-*`` matches ``checkpoint-500`` (step 500),
+    never ``checkpoint-500-merged`` (transformers' own ``get_last_checkpoint`` rule). A
+    checkpoint a resumed run set aside (``_timeline``: it abandoned that timeline) is never
+    named.
 
     Never silently older: every newer candidate skipped because it could not be read (its
     commit file or one of its files gives EACCES or EIO, or it was written by a newer
@@ -132,7 +144,9 @@ def latest_complete(
     run directory must not look like a run with no checkpoint yet."""
     found, skipped = find_latest(parent, pattern, deep=deep)
     for path, why in skipped:
-        log.warning("safestage.latest_complete: skipped %s, which could not be read (%s)", path, why)
+        log.warning(
+            "safestage.latest_complete: skipped %s, which could not be read (%s)", path, why
+        )
     return found
 
 
@@ -144,7 +158,7 @@ def list_run_directory(base: Path) -> list[str]:
     except OSError as exc:
         raise type(exc)(
             exc.errno,
-            f"cannot list the checkpoints in {base}: {_text(exc)}: check that it is the run "
+            f"cannot list the checkpoints in {base}: {describe_error(exc)}: check that it is the run "
             "directory, that it is mounted and that this user may read it",
             str(base),
         ) from exc
@@ -156,10 +170,10 @@ def find_latest(
     """``latest_complete`` and the newer candidates it skipped as unreadable, with why."""
     base = as_path(parent)
     listing = list_run_directory(base)
-    names = [name for name in listing if fnmatch.fnmatchcase(name, pattern)]
-    names.sort(key=step_of, reverse=True)
+    steps = {name: step for name in listing if (step := matcher(pattern)(name)) is not None}
+    names = sorted(steps, key=lambda name: steps[name], reverse=True)
     skipped: list[tuple[Path, str]] = []
-    for _, group in itertools.groupby(names, key=step_of):
+    for _, group in itertools.groupby(names, key=lambda name: steps[name]):
         committed = []
         for name in group:
             manifest, problem, mtime = read_commit(base / name)
@@ -170,7 +184,12 @@ def find_latest(
         committed.sort(key=lambda item: (item[0], item[1]), reverse=True)
         for _, name, manifest in committed:
             result = check(base / name, manifest, deep=deep)
-            if result.complete:
+            aside = set_aside_by(base / name) if result.complete else None
+            if aside is not None:
+                log.info(
+                    "safestage.latest_complete: passed over %s: %s", base / name, aside.describe()
+                )
+            elif result.complete:
                 return base / name, skipped
             unreadable = [p for p in result.problems if p.kind == "unreadable"]
             if unreadable:
@@ -191,6 +210,29 @@ def step_of(name: str) -> int:
     return int(found[-1]) if found else -1
 
 
+@functools.lru_cache(maxsize=64)
+def matcher(pattern: str) -> Callable[[str], Optional[int]]:
+    """For an fnmatch ``pattern``, a function giving the step of a name it takes (None: not a
+    candidate). A name is a candidate when it matches and ends in its step number followed only
+    by the pattern's own ending (what follows its last wildcard): ``checkpoint-*`` takes
+    ``checkpoint-500`` (500), never ``checkpoint-500-merged`` (transformers' own
+    ``get_last_checkpoint`` rule); ``epoch=*-step=*.ckpt`` takes the step before ``.ckpt``;
+    ``checkpoint-[0-9]*`` and ``step-?`` work as they read. A pattern without a wildcard
+    names one checkpoint, whose step is its last run of digits."""
+    wild = max(pattern.rfind("*"), pattern.rfind("?"), pattern.rfind("]"))
+    if wild < 0:
+        return lambda name: step_of(name) if name == pattern else None
+    ending = re.compile(r"(\d+)" + re.escape(pattern[wild + 1 :]) + r"\Z", re.S)
+
+    def step(name: str) -> Optional[int]:
+        if not fnmatch.fnmatchcase(name, pattern):
+            return None
+        match = ending.search(name)
+        return int(match[1]) if match else None
+
+    return step
+
+
 def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem], float]:
     """(manifest, None, commit file mtime), or (None, the problem, 0.0)."""
     target = directory / COMMIT_NAME
@@ -198,17 +240,41 @@ def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem],
         # O_NONBLOCK: a FIFO put there must not hang a resumer (it is refused just below).
         fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError):
-        return None, Problem("", "no-commit", f"no commit file {COMMIT_NAME} (never committed, or a commit was interrupted)"), 0.0
+        return (
+            None,
+            Problem(
+                "",
+                "no-commit",
+                f"no commit file {COMMIT_NAME} (never committed, or a commit was interrupted)",
+            ),
+            0.0,
+        )
     except OSError as exc:
         kind = "bad-commit" if exc.errno == errno.ELOOP else "unreadable"
-        return None, Problem(COMMIT_NAME, kind, f"cannot open the commit file: {_text(exc)}"), 0.0
+        return (
+            None,
+            Problem(COMMIT_NAME, kind, f"cannot open the commit file: {describe_error(exc)}"),
+            0.0,
+        )
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_COMMIT_BYTES:
-            return None, Problem(COMMIT_NAME, "bad-commit", "the commit file is not a regular file of sane size"), 0.0
+            return (
+                None,
+                Problem(
+                    COMMIT_NAME, "bad-commit", "the commit file is not a regular file of sane size"
+                ),
+                0.0,
+            )
         data = _read_to_end(fd, MAX_COMMIT_BYTES + 1)
     except OSError as exc:
-        return None, Problem(COMMIT_NAME, "unreadable", f"cannot read the commit file: {_text(exc)}"), 0.0
+        return (
+            None,
+            Problem(
+                COMMIT_NAME, "unreadable", f"cannot read the commit file: {describe_error(exc)}"
+            ),
+            0.0,
+        )
     finally:
         os.close(fd)
     try:
@@ -216,7 +282,11 @@ def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem],
     except NewerFormatError as exc:
         return None, Problem(COMMIT_NAME, "unreadable", f"cannot read the commit file: {exc}"), 0.0
     except ManifestError as exc:
-        return None, Problem(COMMIT_NAME, "bad-commit", f"the commit file cannot be trusted: {exc}"), 0.0
+        return (
+            None,
+            Problem(COMMIT_NAME, "bad-commit", f"the commit file cannot be trusted: {exc}"),
+            0.0,
+        )
     return manifest, None, info.st_mtime
 
 
@@ -244,19 +314,27 @@ def check(
         try:
             info = os.lstat(target)
         except FileNotFoundError:
-            result.problems.append(Problem(entry.path, "missing", "listed in the commit file, not there"))
+            result.problems.append(
+                Problem(entry.path, "missing", "listed in the commit file, not there")
+            )
             continue
         except OSError as exc:
-            result.problems.append(Problem(entry.path, "unreadable", _text(exc)))
+            result.problems.append(Problem(entry.path, "unreadable", describe_error(exc)))
             continue
         if not stat.S_ISREG(info.st_mode):
-            result.problems.append(Problem(entry.path, "not-a-file", "not a regular file (a symlink, a directory?)"))
+            result.problems.append(
+                Problem(entry.path, "not-a-file", "not a regular file (a symlink, a directory?)")
+            )
         elif info.st_size != entry.size:
             result.problems.append(
-                Problem(entry.path, "size", f"{info.st_size} bytes, the commit file says {entry.size}")
+                Problem(
+                    entry.path, "size", f"{info.st_size} bytes, the commit file says {entry.size}"
+                )
             )
         elif deep:
-            result.problems += _deep_problems(target, entry.path, entry.digest, entry.size, result, report)
+            result.problems += _deep_problems(
+                target, entry.path, entry.digest, entry.size, result, report
+            )
     if deep:
         result.extra = _extra_files(directory, manifest)
     return result
@@ -276,9 +354,15 @@ def _parents_problem(
             try:
                 info = os.lstat(directory / parent)
             except (FileNotFoundError, NotADirectoryError):
-                safe[parent] = ("missing", f"listed in the commit file; its directory {parent} is not there")
+                safe[parent] = (
+                    "missing",
+                    f"listed in the commit file; its directory {parent} is not there",
+                )
             except OSError as exc:
-                safe[parent] = ("unreadable", f"its directory {parent} cannot be inspected: {_text(exc)}")
+                safe[parent] = (
+                    "unreadable",
+                    f"its directory {parent} cannot be inspected: {describe_error(exc)}",
+                )
             else:
                 safe[parent] = (
                     None
@@ -303,7 +387,7 @@ def _deep_problems(
         # O_NONBLOCK: a FIFO put there must not hang a resumer (it is refused just below).
         fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
-        return [Problem(path, "unreadable", _text(exc))]
+        return [Problem(path, "unreadable", describe_error(exc))]
     try:
         if path.endswith(".safetensors"):
             header = safetensors_problem(fd, size)
@@ -320,13 +404,17 @@ def _deep_problems(
                 else:
                     report(count)
     except OSError as exc:
-        problems.append(Problem(path, "unreadable", _text(exc)))
+        problems.append(Problem(path, "unreadable", describe_error(exc)))
         return problems
     finally:
         os.close(fd)
     if crc.hexdigest() != digest:
         problems.append(
-            Problem(path, "digest", f"CRC-32 {crc.hexdigest()}, the commit file says {digest} (other content of the same size)")
+            Problem(
+                path,
+                "digest",
+                f"CRC-32 {crc.hexdigest()}, the commit file says {digest} (other content of the same size)",
+            )
         )
     return problems
 
@@ -386,7 +474,7 @@ def safetensors_problem(fd: int, size: int) -> Optional[str]:
 def _extra_files(directory: Path, manifest: Manifest) -> list[str]:
     """Files under ``directory`` the manifest does not list (informational: a shard of an
     older save with more shards, a leftover temp). Symlinks are not followed."""
-    listed = {entry.path for entry in manifest.files} | {COMMIT_NAME}
+    listed = {entry.path for entry in manifest.files} | {COMMIT_NAME, SET_ASIDE_NAME}
     extra = []
     for root, dirs, files in os.walk(directory):
         relative = os.path.relpath(root, directory)
@@ -422,6 +510,36 @@ def _read_to_end(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _text(exc: OSError) -> str:
+def describe_error(exc: OSError) -> str:
     name = errno.errorcode.get(exc.errno or 0, "?")
     return f"[Errno {exc.errno}] {name}: {exc.strerror or exc}"
+
+
+# -- a checkpoint a resumed run set aside (_timeline writes the marker) --------------------------
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """Why a checkpoint was set aside: ``by`` (the name of the checkpoint whose save began
+    after this one was complete, with a lower step), ``at`` (ISO time)."""
+
+    by: str
+    at: str
+
+    def describe(self) -> str:
+        return (f"set aside by {self.by} (committed {self.at}): a run resumed from an older "
+                "checkpoint than this one and went on from there")  # fmt: skip
+
+
+def set_aside_by(directory: Path) -> Optional[SetAside]:
+    """The marker in the checkpoint ``directory``, if a resumed run set it aside."""
+    try:
+        with open(directory / SET_ASIDE_NAME, "rb") as handle:
+            document = json.loads(handle.read(1 << 16))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError):
+        return SetAside("?", "?")  # a marker we cannot read still marks it
+    if not isinstance(document, dict):
+        return SetAside("?", "?")
+    return SetAside(str(document.get("by", "?")), str(document.get("at", "?")))

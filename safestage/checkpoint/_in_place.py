@@ -1,7 +1,8 @@
 """Committing a checkpoint directory that another writer already filled at its destination
-(``safestage.commit_in_place``; the transformers Trainer's checkpoint-N, issue 12): remove the
-old commit file, read every file back (sizes, CRC-32, safetensors headers, JSON, index weight
-maps), then publish the commit file last, as ``staged_dir`` does."""
+(``safestage.commit_in_place``; the transformers Trainer's checkpoint-N): the one commit
+sequence with a read-back in place of the publish: remove the old commit file, read every file
+back (sizes, CRC-32, safetensors headers, JSON, index weight maps), then publish the commit file
+last."""
 
 from __future__ import annotations
 
@@ -12,17 +13,16 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from . import _background, _config, _save
-from ._clean import remove_dead_temps
-from ._commit import _version, invalidate, publish_manifest
-from ._config import PathArg, Publish
-from ._errors import PublishError
-from ._manifest import COMMIT_NAME, Crc32, FileEntry, Manifest, new_manifest, unsafe_path
-from ._names import is_writer_temp, parse_temp_name
-from ._paths import real_directory
-from ._publish import CHUNK_BYTES
+from .. import _config, _work
+from .._config import PathArg, Publish, Settings
+from .._errors import PublishError
+from .._names import is_writer_temp, parse_temp_name
+from .._paths import real_directory
+from .._publish import CHUNK_BYTES
+from ._manifest import COMMIT_NAME, SET_ASIDE_NAME, Crc32, FileEntry, Manifest, unsafe_path
+from ._sequence import Commit
 
 log = logging.getLogger("safestage")
 
@@ -39,7 +39,7 @@ def commit_in_place(
     """Commit a checkpoint directory that another writer has already filled at its
     destination (the transformers Trainer writing ``checkpoint-N``, one process per rank):
 
-    1. pending background publishes of files under it (this process's) land first; then the
+    1. pending background saves of files under it (this process's) land first; then the
        directory's commit file, if any, is removed (fsync'ed), so that from here until the new
        one lands the directory is not complete;
     2. temp files of safestage writers that are gone (``safestage clean``'s rules), in it and
@@ -49,13 +49,19 @@ def commit_in_place(
        ``.json`` file must parse, and every file a ``*.index.json`` weight map names must be
        there. Anything wrong raises PublishError (EBADMSG, ``step="verify"``) naming it, and no
        commit file is written;
-    4. the commit file is published last, like ``staged_dir``'s (``publish``, ``fsync``, the
+    4. the commit file is published last, as every commit's (``publish``, ``fsync``, the
        staging root ``root`` holds it for a moment).
 
     Returns the Manifest written. Only call it once every writer of the directory has finished
     (a barrier across ranks): the manifest vouches for what is there when it is read.
     """
     settings = _config.resolve(root=root, publish=publish, fsync=fsync)
+    dest = checkpoint_directory(directory)
+    with _work.running("commit", dest, None):
+        return commit_written(dest, settings)
+
+
+def checkpoint_directory(directory: PathArg) -> Path:
     text = os.fspath(directory)
     dest = real_directory(text)
     if dest is None:
@@ -65,50 +71,38 @@ def commit_in_place(
             str(text),
             step="inspect",
         )
-    started = time.perf_counter()
-    _background.settle_under(dest)  # what this process still publishes there lands first
+    return dest
+
+
+def commit_written(dest: Path, settings: Settings, *, started: Optional[float] = None, retention: Any = None,
+                   spare: Optional[dict[Path, str]] = None) -> Manifest:  # fmt: skip
+    """The one commit sequence for files written in place: prepare (the previous commit file
+    and dead temps go), read back instead of publish, the commit file last, then retention."""
+    began = time.perf_counter()
+    commit = Commit.in_place(dest, settings, started=started, retention=retention)
     try:
-        invalidate(dest, fsync=settings.fsync)
-    except OSError as exc:
-        raise PublishError(
-            exc.errno,
-            f"safestage could not commit {dest}: could not remove the previous commit file "
-            f"{dest / COMMIT_NAME}: [Errno {exc.errno}] {exc.strerror}. Nothing was changed.",
-            str(dest / COMMIT_NAME),
-            step="invalidate",
-        ) from exc
-    staying = remove_dead_temps(dest)
-    files, empty = _scan_in_place(dest, staying)
-    entries, problems = _read_back(dest, files)
-    if problems:
-        raise PublishError(
-            errno.EBADMSG,
-            f"safestage will not commit {dest}: {len(problems)} problem(s) in the files at the "
-            f"destination: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}. No "
-            f"commit file was written: {dest} is not complete (verify and latest_complete say so). "
-            f"Write the checkpoint again, then commit again.",
-            str(dest),
-            step="verify",
-        )
-    manifest = new_manifest(entries, empty, _version())
-    staging, private = _save.save_dir(settings)
-    try:
-        publish_manifest(manifest, private, dest, settings, staging.device)
-    except OSError as exc:
-        raise PublishError(
-            exc.errno,
-            f"safestage could not commit {dest}: all {len(entries)} files were read back, but "
-            f"the commit file {COMMIT_NAME} could not be written ({exc}). {dest} is therefore "
-            f"not complete (verify and latest_complete say so).",
-            str(dest / COMMIT_NAME),
-            step="commit",
-        ) from exc
+        staying = commit.prepare(None)
+        files, empty = _scan_in_place(dest, staying)
+        entries, problems = _read_back(dest, files)
+        if problems:
+            raise PublishError(
+                errno.EBADMSG,
+                f"safestage will not commit {dest}: {len(problems)} problem(s) in the files at the "
+                f"destination: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}. No "
+                f"commit file was written: {dest} is not complete (verify and latest_complete say so). "
+                f"Write the checkpoint again, then commit again.",
+                str(dest),
+                step="verify",
+            )
+        manifest = commit.commit_file(entries, empty)
     finally:
-        private.remove()
+        commit.finish()  # the commit file's save directory: nothing else is kept in place
     log.debug(
         "%s: committed in place, %d files, %d bytes read back in %.3fs",
-        dest, len(manifest.files), manifest.total_bytes, time.perf_counter() - started,
+        dest, len(manifest.files), manifest.total_bytes, time.perf_counter() - began,
     )  # fmt: skip
+    if retention is not None:  # only now that its commit file has landed; never raises
+        retention.after_commit(dest, settings.root, spare=spare)
     return manifest
 
 
@@ -137,7 +131,7 @@ def _scan_in_place(dest: Path, staying: dict[str, str]) -> tuple[list[tuple[str,
             empty.append(relative)
         for entry in entries:
             path = f"{relative}/{entry.name}" if relative else entry.name
-            if path == COMMIT_NAME:
+            if path in (COMMIT_NAME, SET_ASIDE_NAME):
                 continue
             if parse_temp_name(entry.name) is not None or is_writer_temp(entry.name):
                 why = staying.get(path, "its writer may still run")
@@ -201,7 +195,9 @@ def _read_back(dest: Path, files: list[tuple[str, int]]) -> tuple[list[FileEntry
         finally:
             os.close(fd)
         if size != expected:
-            problems.append(f"{path}: {size} bytes read, {expected} announced (still being written?)")
+            problems.append(
+                f"{path}: {size} bytes read, {expected} announced (still being written?)"
+            )
         if header is not None:
             problems.append(f"{path}: not a complete safetensors file: {header}")
         if path.endswith(".json") and size <= _MAX_JSON_CHECK:
@@ -221,7 +217,9 @@ def _json_problems(path: str, data: bytes, present: set[str]) -> list[str]:
     if not path.endswith(".index.json") or not isinstance(weight_map, dict):
         return []
     folder = path.rpartition("/")[0]
-    here = {p[len(folder) + 1 :] for p in present if p.startswith(f"{folder}/")} if folder else present
+    here = (
+        {p[len(folder) + 1 :] for p in present if p.startswith(f"{folder}/")} if folder else present
+    )
     missing = sorted({str(name) for name in weight_map.values()} - here)
     return [f"{path} names files that are not there: {', '.join(missing[:5])}"] if missing else []
 

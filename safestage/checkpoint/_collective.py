@@ -1,0 +1,431 @@
+"""``staged_dir(dest, group=...)``: what only a collective commit needs, on top of the one
+commit sequence (``_sequence``): the ranks' agreement points as exchanges, the union of what
+they wrote and its clashes, the heartbeat while they publish, and naming the rank that failed.
+
+Every rank of the group enters with the same ``dest`` and writes its own files into a local
+directory under its own node's staging root (nodes need not share one; the destination may be
+the only filesystem they share). Each agreement point of the sequence is one
+``all_gather_object`` on a gloo group of safestage's own, made once per group:
+
+- gloo runs on CPU whatever the job's backend is (NCCL object collectives would need a GPU
+  per call), and DCP's ``async_save`` does the same for the same reason;
+- the job's own collectives never interleave with ours, so a commit may run while training
+  goes on (a background commit), and a failure of ours never poisons the job's group;
+- its timeout is ours: ``timeout`` seconds for a rank that neither answers nor dies. A rank
+  that dies (SIGKILL, the OOM killer) closes its connections, and gloo reports that to the
+  others at once (measured: within 0.2 s).
+
+All ranks see the same gathered list, so all of them take the same branch afterwards:
+
+1. started: who is there (host, pid) and whether each rank could start (its destination, its
+   staging root). A rank that could not, or a different ``dest``: every rank raises and none
+   runs its block.
+2. written: what each rank wrote, or that its block raised, or that its files were refused.
+   Any of these, or two ranks writing the same path: every rank raises, nothing is published,
+   every local copy is removed.
+3. prepared: the coordinator (the group's first rank) creates every rank's directories and
+   removes the previous commit file, once, before any rank publishes; the others wait for it.
+4. publishing: every rank publishes its own files, in parallel with the others, exchanging a
+   heartbeat every ``HEARTBEAT`` seconds: the timeout bounds a silent rank, never a long
+   upload, and a failure anywhere stops new files everywhere.
+5. landed: every rank's entries (path, size, CRC-32), or which file failed on which rank.
+6. committed: the coordinator writes one commit file listing every file and the rank that
+   wrote it, last; every rank returns once it has landed, or raises.
+
+A rank that dies is noticed by the others at their next exchange (``Lost``): they raise
+PublishError, no commit file is written (the coordinator writes it only after step 5 heard from
+every rank), and each keeps its local copy, its record saying which rank of how many it was.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .._errors import ConfigError, PublishError
+from .._locks import process_alive
+from .._names import HOST
+from .._publish import Published
+from ._manifest import COMMIT_NAME, FileEntry, Manifest, parse
+from ._sequence import Lost, Tree, Work
+
+log = logging.getLogger("safestage")
+
+# Seconds between the heartbeats of ranks publishing (step 4): the latest a failure elsewhere
+# stops this rank's next file, and the most the last rank to finish waits for the others.
+HEARTBEAT = 0.25
+
+_lock = threading.Lock()
+_groups: dict[tuple[tuple[int, ...], float], Any] = {}  # (ranks, timeout) -> our gloo group
+
+
+class PeerLost(Lost):
+    """A rank of the commit stopped answering: it died, or timed out (``timeout``)."""
+
+
+class Collective:
+    """This rank's view of one collective commit: its global rank, the ranks of the group
+    (global, in group order; the first one coordinates) and safestage's gloo group."""
+
+    def __init__(self, group: Any, timeout: float) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError(
+                "safestage.staged_dir(group=...) needs torch.distributed initialized "
+                "(torch.distributed.init_process_group) in every rank of the group"
+            )
+        self._dist = dist
+        self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(group))
+        self.rank: int = dist.get_rank()
+        if self.rank not in self.ranks:
+            raise ConfigError(
+                f"safestage.staged_dir: rank {self.rank} is not in the group it was given"
+            )
+        if len(self.ranks) != dist.get_world_size():
+            # torch names a group made by its members alone (use_local_synchronization) from
+            # the ranks and how many groups each member already has: members of different
+            # other groups disagree and never connect. Until that is solved, the world only.
+            raise ConfigError(
+                f"safestage.staged_dir(group=...): the group has ranks {list(self.ranks)}, not every "
+                f"rank of the job ({dist.get_world_size()}): a collective commit runs over the whole "
+                "world (group=torch.distributed.group.WORLD), every rank writing its own files"
+            )
+        self.world_size = len(self.ranks)
+        self.coordinator = self.ranks[0]
+        self.timeout = float(timeout)
+        self.group = _own_group(dist, self.ranks, self.timeout)
+        self.pids: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), from the started exchange
+        self.dest: Any = None  # the checkpoint, as given, then as the kernel names it
+
+    @classmethod
+    def join(cls, group: Any, timeout: float, dest: Any) -> Collective:
+        try:
+            joined = cls(group, timeout)
+        except PeerLost as exc:
+            raise PublishError(errno.EPIPE, f"safestage could not start the commit of {dest}: {exc}",
+                               str(dest), step="collective") from exc  # fmt: skip
+        joined.dest = dest
+        return joined
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    def exchange(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in group order (the same list on every rank). PeerLost if
+        a rank died or did not answer within the timeout."""
+        gathered: list[Any] = [None] * len(self.ranks)
+        try:
+            self._dist.all_gather_object(gathered, value, group=self.group)
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out", ...
+            raise self._lost(exc) from exc
+        return gathered
+
+    # -- the agreement points (_sequence.Peers) --------------------------------------------------
+
+    def started(self, problem: Optional[BaseException], dest: Optional[Path]) -> None:
+        if dest is not None:
+            self.dest = dest
+        else:
+            dest = self.dest
+        mine = (
+            (HOST, os.getpid()),
+            None if problem is not None else str(self.dest),
+            _describe(problem),
+        )
+        try:
+            states = self.exchange(mine)
+        except PeerLost as lost:
+            raise self.lost_error(lost, dest, "before any rank wrote anything", None) from lost
+        self.pids = {rank: tuple(state[0]) for rank, state in zip(self.ranks, states)}
+        failed = [(rank, state[2]) for rank, state in zip(self.ranks, states) if state[1] is None]
+        if problem is not None:
+            raise problem
+        if failed:
+            rank, text = failed[0]
+            raise PublishError(
+                errno.ECANCELED,
+                f"safestage did not start the commit of {dest}: rank {rank} could not: {text}. No "
+                "rank runs its block; nothing was written.",
+                str(dest),
+                step="collective",
+            )
+        if len({state[1] for state in states}) > 1:
+            shown = ", ".join(f"rank {rank}: {state[1]}" for rank, state in zip(self.ranks, states))
+            raise PublishError(
+                errno.EINVAL,
+                f"safestage.staged_dir(group=...): the ranks named different destinations ({shown}): "
+                "every rank of the group must enter with the same dest. Nothing was written.",
+                str(dest),
+                step="collective",
+            )
+
+    def written(self, tree: Optional[Tree], problem: Optional[BaseException]) -> Tree:
+        mine = ("ready", tree.files, tree.directories, tree.empty) if tree is not None and problem is None \
+            else ("stopped", _describe(problem))  # fmt: skip
+        try:
+            states = self.exchange(mine)
+        except PeerLost as lost:
+            if problem is not None:  # nothing published; this rank's own exception goes first
+                raise problem from lost
+            raise
+        if problem is not None:
+            raise problem
+        stopped = [
+            (rank, state[1]) for rank, state in zip(self.ranks, states) if state[0] != "ready"
+        ]
+        if stopped:
+            rank, text = stopped[0]
+            raise PublishError(
+                errno.ECANCELED,
+                f"safestage did not commit {self.dest}: on rank {rank}, {text}. No rank "
+                "published anything; the previous commit, if any, is untouched; every rank's local "
+                "copy was removed.",
+                str(self.dest),
+                step="refused",
+                landed=(),
+            )
+        union, clash = _union(self.ranks, states)
+        if clash is not None:
+            raise PublishError(
+                errno.EEXIST,
+                f"safestage will not commit {self.dest}: {clash}. Every rank must write paths of its "
+                "own. Nothing was published; every rank's local copy was removed.",
+                str(self.dest),
+                step="refused",
+                landed=(),
+            )
+        return union
+
+    def prepared(self, prepare: Callable[[], object], local: Path, paths: list[str]) -> None:
+        word: Optional[PublishError] = None
+        if self.is_coordinator:
+            try:
+                prepare()
+            except PublishError as failed:
+                word = failed
+        words = self.exchange(None if word is None else _describe(word))
+        coordinator_word = words[self.ranks.index(self.coordinator)]
+        if coordinator_word is None:
+            return
+        if word is not None:
+            raise word
+        raise PublishError(
+            errno.ECANCELED,
+            f"safestage could not commit {self.dest}: the coordinator, rank {self.coordinator}, could "
+            f"not prepare it: {coordinator_word}",
+            str(self.dest), staged_path=str(local), step="collective", landed=(), not_landed=tuple(paths),
+        )  # fmt: skip
+
+    def publishing(self, work: Work) -> Optional[BaseException]:
+        """Wait for this rank's publishers, answering the others every HEARTBEAT seconds, until
+        every rank's are done. A failure or interrupt anywhere stops new files everywhere."""
+        interrupt: Optional[BaseException] = None
+        while True:
+            try:
+                finished = work.finished(HEARTBEAT)
+            except BaseException as exc:  # Ctrl-C: stop the copies in flight, tell the others
+                work.stop(cancel=True)
+                interrupt = interrupt or exc
+                finished = False
+            try:
+                states = self.exchange((finished, bool(work.errors) or interrupt is not None))
+            except PeerLost:
+                work.stop(cancel=True)
+                work.wait()
+                raise
+            if any(failed for _, failed in states):
+                work.stop(cancel=False)
+            if all(done for done, _ in states):
+                return interrupt
+
+    def landed(
+        self, entries: list[FileEntry], error: Optional[BaseException], local: Path
+    ) -> list[FileEntry]:
+        mine = ("failed", _describe(error)) if error is not None \
+            else ("published", [(e.path, e.size, e.digest) for e in entries])  # fmt: skip
+        outcomes = self.exchange(mine)
+        failures = [
+            (rank, state[1]) for rank, state in zip(self.ranks, outcomes) if state[0] != "published"
+        ]
+        if failures:
+            if error is not None and not isinstance(error, Exception):
+                raise error  # KeyboardInterrupt, SystemExit: as they are
+            rank, text = failures[0]
+            published = {entry.path for entry in entries}
+            raise PublishError(
+                getattr(error, "errno", None) or errno.ECANCELED,
+                f"safestage could not commit {self.dest}: rank {rank} could not publish: {text}. No "
+                f"commit file was written: {self.dest} is not complete. This rank's copy is kept in {local}.",
+                str(self.dest), staged_path=str(local), step="collective",
+                landed=tuple(sorted(published)), not_landed=None,
+            ) from error  # fmt: skip
+        return [FileEntry(path, size, digest, rank)
+                for rank, state in zip(self.ranks, outcomes) for path, size, digest in state[1]]  # fmt: skip
+
+    def committed(
+        self, write: Callable[[], Manifest], published: dict[str, Published], dest: Path
+    ) -> Manifest:
+        manifest: Optional[Manifest] = None
+        word: Optional[BaseException] = None
+        if self.is_coordinator:
+            try:
+                manifest = write()
+            except PublishError as failed:
+                word = failed
+        try:
+            final = self.exchange(manifest.encode() if manifest is not None else _describe(word))
+        except PeerLost as lost:
+            landed = _landed_with(dest, manifest, published)
+            if landed is None:
+                raise
+            log.warning(
+                "safestage: %s: %s, after the commit file landed: the checkpoint is complete",
+                dest,
+                lost,
+            )
+            return landed
+        coordinator_word = final[self.ranks.index(self.coordinator)]
+        if isinstance(coordinator_word, bytes):
+            return manifest if manifest is not None else parse(coordinator_word)
+        if word is not None:
+            raise word
+        raise PublishError(
+            errno.ECANCELED,
+            f"safestage could not commit {dest}: every file landed, but the coordinator, rank "
+            f"{self.coordinator}, could not write the commit file: {coordinator_word}. {dest} is not "
+            "complete.",
+            str(dest), step="commit", landed=tuple(sorted(published)), not_landed=(),
+        )  # fmt: skip
+
+    def lost_error(self, lost: Lost, dest: Any, state: str, local: Optional[Path]) -> PublishError:
+        kept = f" This rank's copy is kept in {local}." if local is not None else ""
+        return PublishError(
+            errno.EPIPE,
+            f"safestage could not commit {dest} (rank {self.rank} of {len(self.ranks)}): {lost}; "
+            f"{state}, so {dest} is not complete (verify and latest_complete say so).{kept}",
+            str(dest),
+            staged_path=None if local is None else str(local),
+            step="collective",
+        )
+
+    def _lost(self, exc: RuntimeError) -> PeerLost:
+        _forget(self.ranks, self.timeout)  # a gloo group that lost a peer is broken for good
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        gone = [
+            rank
+            for rank, (host, pid) in sorted(self.pids.items())
+            if host == HOST and not process_alive(pid)
+        ]
+        if gone:
+            who = "rank " + ", ".join(map(str, gone)) + f" (on this host, {HOST}) died"
+        elif "timed out" in text.lower() or "timeout" in text.lower():
+            who = f"a rank did not answer within the timeout ({self.timeout:g} s)"
+        else:
+            who = "a rank died or lost its connection"
+        return PeerLost(f"{who} during the commit ({text})")
+
+
+def _union(ranks: tuple[int, ...], states: list[Any]) -> tuple[Tree, Optional[str]]:
+    """Every rank's files and directories as one tree, and the first clash: a path two ranks
+    wrote, or a file of one rank where another has a directory."""
+    union = Tree()
+    owners: dict[str, int] = {}
+    directories: dict[str, int] = {}
+    empty: set[str] = set()
+    for rank, (_, files, dirs, empties) in zip(ranks, states):
+        for directory in dirs:
+            directories.setdefault(directory, rank)
+        empty.update(empties)
+        for path, size in files:
+            if path in owners:
+                return union, f"ranks {owners[path]} and {rank} both wrote {path}"
+            owners[path] = rank
+            union.files.append((path, size))
+    for path, rank in owners.items():
+        if path in directories:
+            return (
+                union,
+                f"{path} is a file of rank {rank} and a directory of rank {directories[path]}",
+            )
+    union.directories = sorted(directories, key=lambda path: (path.count("/"), path))
+    occupied = {parent for path in [*owners, *directories] for parent in _parents(path)}
+    union.empty = sorted(empty - occupied)
+    return union, None
+
+
+def _parents(path: str) -> list[str]:
+    parts = path.split("/")
+    return ["/".join(parts[:index]) for index in range(1, len(parts))]
+
+
+def _landed_with(
+    dest: Path, manifest: Optional[Manifest], published: dict[str, Published]
+) -> Optional[Manifest]:
+    """After a rank was lost at the last step: the commit file at ``dest``, if it is there and
+    lists this rank's files as they landed (the coordinator wrote it before the loss)."""
+    try:
+        found = parse((dest / COMMIT_NAME).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if manifest is not None:
+        return found if found.encode() == manifest.encode() else None
+    listed = {entry.path: entry for entry in found.files}
+    for path, result in published.items():
+        entry = listed.get(path)
+        if entry is None or entry.size != result.nbytes or entry.digest != (result.digest or ""):
+            return None
+    return found
+
+
+def _describe(exc: Optional[BaseException]) -> str:
+    if exc is None:
+        return ""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _own_group(dist: Any, ranks: tuple[int, ...], timeout: float) -> Any:
+    """Our gloo group over ``ranks``: made by the first collective commit over them (every
+    rank of the group enters it, in the same order), then reused."""
+    key = (ranks, timeout)
+    with _lock:
+        existing = _groups.get(key)
+    if existing is not None:
+        return existing
+    try:  # every rank of the job calls it, in the same order (the world only)
+        made = dist.new_group(
+            list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout)
+        )
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise PeerLost(
+            f"could not make safestage's gloo group over ranks {list(ranks)}: {exc}"
+        ) from exc
+    with _lock:
+        _groups[key] = made
+    return made
+
+
+def _forget(ranks: tuple[int, ...], timeout: float) -> None:
+    with _lock:
+        broken = _groups.pop((ranks, timeout), None)
+    if broken is not None:
+        try:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(broken)
+        except Exception as exc:  # already torn down with the job's default group
+            log.debug("could not destroy safestage's broken gloo group: %s", exc)
+
+
+def after_fork_in_child() -> None:  # registered by _lifecycle
+    """Process groups do not survive fork(): a child starts with none of ours."""
+    global _lock
+    _lock = threading.Lock()
+    _groups.clear()

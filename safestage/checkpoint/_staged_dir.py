@@ -1,0 +1,243 @@
+"""``safestage.staged_dir``: a whole checkpoint directory, written locally, committed last.
+
+The block writes the checkpoint into a local directory; when it returns, the one commit
+sequence (``_sequence``) lands it: alone, or, with ``group=``, as every rank's part of one
+collective commit (``_collective``). The object ``staged_dir()`` returns is the commit's handle:
+``wait()`` (the manifest, or the error), ``done()``; a background commit (``background=``) goes
+on on a safestage worker after the block (``_work``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn, Optional, Union
+
+from .. import _config, _patch, _work
+from .._config import PathArg, Publish, Settings
+from .._errors import ConfigError
+from .._kept import Part
+from . import _prune, _sequence
+from ._manifest import Manifest
+from ._sequence import Alone, Commit, Peers
+
+# How long a rank of a collective commit waits for one that neither answers nor dies (a dead
+# process is noticed at once). It bounds, too, how much later than the first rank the last one
+# may reach the commit (its block still writing): ten minutes.
+DEFAULT_TIMEOUT = 600.0
+
+
+class StagedDir:
+    """The context manager ``safestage.staged_dir()`` returns, and its commit's handle. ``with``
+    yields the local directory to write the checkpoint into; once the commit has landed,
+    ``records`` lists the published files (the commit file last) and ``manifest`` is what the
+    commit file says."""
+
+    def __init__(
+        self,
+        dest: PathArg,
+        settings: Settings,
+        *,
+        group: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        background: int = 0,
+        retention: Optional[_prune.Retention] = None,
+    ) -> None:
+        self._commit = Commit(dest, settings, retention=retention)
+        self._group, self._timeout = group, timeout
+        self._background = background  # commits in flight at most (0: the block's end commits)
+        self._peers: Optional[Peers] = None
+        self._job: Optional[_work.Job] = None
+        self._state = "new"
+
+    @property
+    def dest(self) -> Optional[Path]:
+        return self._commit.dest
+
+    @property
+    def local(self) -> Optional[Path]:
+        return self._commit.local
+
+    @property
+    def records(self) -> list[Any]:
+        return self._commit.records
+
+    @property
+    def manifest(self) -> Optional[Manifest]:
+        return self._commit.manifest
+
+    @property
+    def settings(self) -> Settings:
+        return self._commit.settings
+
+    @property
+    def background(self) -> int:
+        """How many commits may be in flight after their blocks returned (0: this one lands
+        before its block's end returns)."""
+        return self._background
+
+    def __enter__(self) -> Path:
+        if self._state != "new":
+            raise RuntimeError(
+                "this staged_dir was already used; call safestage.staged_dir() again"
+            )
+        self._state = "open"
+        _work.adopt(self)  # its commit may go on in the background in this process only
+        if self._background or self._group is not None:
+            # Never more local copies than commits allowed in flight; a collective commit
+            # waits for every earlier one, whose exchanges share its gloo group.
+            _work.make_room("commit", 1 if self._group is not None else self._background)
+        _work.raise_unseen(lambda job: isinstance(job.owner, StagedDir),
+                           "safestage: raised here, at the next staged_dir: the background commit of {dest} failed")  # fmt: skip
+        if self._group is not None:
+            from ._collective import Collective
+
+            self._peers = Collective.join(self._group, self._timeout, self._commit._argument)
+            self._commit.part = Part("collective", self._peers.rank, self._peers.world_size)
+        else:
+            self._peers = Alone()
+        local = _sequence.enter(self._commit, self._peers)
+        _patch.add_unstaged_dir(local)
+        return local
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        commit, peers = self._commit, self._peers
+        assert commit.local is not None and commit.dest is not None and peers is not None, (
+            "__exit__ without __enter__"
+        )
+        self._state = "closed"
+        _patch.remove_unstaged_dir(commit.local)
+        if exc is not None:  # nothing is published; the block's exception propagates
+            _sequence.check(commit, peers, exc)
+            return
+        with _work.running("commit", commit.dest, self) as job:
+            self._job = job
+            checked = _sequence.check(commit, peers, None)
+            assert checked is not None
+            try:
+                if self._background and _work.may_defer(self):
+                    # The rest on a safestage worker; a collective's exchanges run on safestage's
+                    # own gloo group, never the job's, so training's collectives go on meanwhile.
+                    _work.hand_off(
+                        job, lambda: _sequence.land(commit, peers, *checked), limit=1 if self._group is not None else self._background,
+                        kept=commit.local, not_started=lambda exc: commit.keep(exc, tree=checked[0]),
+                    )  # fmt: skip
+                    return
+                job.result = _sequence.land(commit, peers, *checked)
+            except BaseException as interrupted:
+                # A Ctrl-C between the checks and the landing: the copy, recorded, is kept and
+                # named (land and hand_off keep it themselves on their own failures: no-op then).
+                if not job.background:
+                    commit.keep(interrupted, tree=checked[0])
+                raise
+
+    def __repr__(self) -> str:
+        return (
+            f"<safestage.StagedDir {self._state} dest={str(self.dest or self._commit._argument)!r}>"
+        )
+
+    # -- the handle of a commit ----------------------------------------------------------------
+
+    def wait(self) -> Manifest:
+        """The manifest of the landed commit, once it has landed (a background commit: wait
+        for it); raises its error if it failed (every time wait() is called). In a process
+        forked from the one that runs the commit, RuntimeError: it is not this process's."""
+        if self._state != "closed":
+            raise RuntimeError(
+                "StagedDir.wait() is for after the block: the commit starts when it returns"
+            )
+        if self._job is None:
+            raise RuntimeError(f"{self.dest}: the block raised, so nothing was committed")
+        manifest: Manifest = self._job.wait()
+        return manifest
+
+    def done(self) -> bool:
+        """Whether the commit has finished (landed or failed); False before the block returned.
+        In a forked child, RuntimeError (the commit runs in the parent)."""
+        if self._job is None:
+            return self._state == "closed"
+        return self._job.done()
+
+
+def staged_dir(
+    dest: PathArg,
+    root: Optional[PathArg] = None,
+    *,
+    publish: Optional[Publish] = None,
+    fsync: bool = True,
+    background: Union[bool, int] = False,
+    group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    keep: Optional[int] = None,
+    **removed: NoReturn,
+) -> StagedDir:
+    """Write a whole checkpoint directory locally; commit it to ``dest`` when the block succeeds.
+
+        with safestage.staged_dir("/mnt/s3/run42/checkpoint-1000") as local:
+            model.save_pretrained(local)
+            torch.save(optimizer.state_dict(), local / "optimizer.pt")
+
+    ``local`` is a fresh directory under the staging root ``root`` (default SAFESTAGE_DIR,
+    else $TMPDIR/safestage-<uid>); write anything into it, subdirectories too. When the
+    block returns, ``dest``'s commit file is removed, every file is published (``publish``,
+    ``fsync`` as for every save; two files at once), then the commit file
+    ``_SAFESTAGE_COMMIT.json`` is written last. ``dest`` is created if missing (its parent
+    must exist). If the block raises, nothing is published and ``local`` is removed. If a
+    publish fails, PublishError says which files landed; no commit file is written and the
+    local copy is kept (``safestage recover`` commits it). Options are checked here
+    (ConfigError), ``dest`` and the staging root when the block starts.
+
+    ``background=True``: the commit goes on on safestage's threads once the block has
+    returned, and the object ``staged_dir()`` returned is its handle (``wait()``: the
+    manifest, or the PublishError; ``done()``). At most one commit is in flight (``N``: at
+    most N): the next ``staged_dir`` waits before its block. A failed background commit is
+    raised by ``wait()``, by the next ``staged_dir`` and, if nobody saw it, at exit (status 1).
+
+    ``keep=N``: once the commit file has landed, prune ``dest``'s parent of the checkpoints
+    named like it (its name with the trailing step number as ``*``, which matches step numbers
+    only) beyond the N newest complete ones, as ``safestage.prune`` does; a failure there is a
+    WARNING, never an error of the landed commit.
+
+    ``group``, a torch.distributed process group spanning the world
+    (``torch.distributed.group.WORLD``), makes it a collective: every rank enters with the same
+    ``dest`` and writes its own files under its own staging root; they land in one directory
+    with one commit file, listing every file and its rank, and every rank returns once it has
+    landed or raises. ``timeout`` is how many seconds a rank waits for one that neither answers
+    nor dies (a rank that dies is noticed at once).
+    """
+    _config.reject_removed(removed, "safestage.staged_dir")
+    # background= is the commits in flight; never SAFESTAGE_BACKGROUND (files a Stage publishes).
+    settings = _config.resolve(root=root, publish=publish, fsync=fsync, background=0)
+    in_flight = commits_in_flight(background, "safestage.staged_dir")
+    if group is not None and in_flight > 1:
+        raise ConfigError(
+            f"safestage.staged_dir(group=..., background={background!r}): a collective commit runs "
+            "one at a time (its exchanges share one gloo group): use background=True"
+        )
+    if group is not None and not (
+        isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+    ):
+        raise ConfigError(
+            f"safestage.staged_dir: timeout must be a number of seconds > 0, not {timeout!r}"
+        )
+    return StagedDir(dest, settings, group=group, timeout=float(timeout), background=in_flight,
+                     retention=_prune.retention_for(dest, keep))  # fmt: skip
+
+
+def commits_in_flight(background: object, where: str) -> int:
+    """``background`` of a commit: False (or 0) synchronous, True one commit in flight, N at
+    most N (never from SAFESTAGE_BACKGROUND, which is for the saves staging intercepts)."""
+    if isinstance(background, bool):
+        return int(background)
+    if isinstance(background, int) and 0 <= background <= _config.MAX_BACKGROUND:
+        return background
+    raise ConfigError(
+        f"{where}: background={background!r} is not a boolean or a whole number from 0 to "
+        f"{_config.MAX_BACKGROUND}: use False (commit before the block's end returns), True (one "
+        "commit in the background at a time) or N (at most N)"
+    )

@@ -1,0 +1,135 @@
+"""A run's timeline: the checkpoints a run abandoned when it resumed from an older one.
+
+Run 1 commits checkpoint-100 to checkpoint-500; 500 is bad, so run 2 resumes from
+checkpoint-300 and commits checkpoint-350 (unsloth-zoo#782, transformers#37260,
+SimpleTuner#2989, RLinf#1469). By step number checkpoint-500 is still the newest; by history it
+belongs to a timeline that run 2 abandoned, and resuming from it after the next preemption
+would go back into the bad run. The rule: a checkpoint is abandoned when a save of a lower step
+of its series *began* after it did (the commit file's ``started_at``; its ``committed_at`` for
+commits that did not record it). A save that began earlier and lands later (background commits
+out of order) abandons nothing. So, just before a commit file is published:
+
+- every complete sibling of a higher step whose save began before this one is set aside: a
+  small marker file in it (``_SAFESTAGE_SET_ASIDE.json``) says by which checkpoint, when, why;
+- a resumed commit (``safestage recover`` of a copy an earlier run kept) is itself set aside if
+  a complete sibling of a lower step began after it: recovering run 1's checkpoint-400 after
+  run 2 committed 350 lands it complete, and set aside.
+
+A commit that does not know when its save began (``commit_in_place`` of a directory someone
+wrote) sets nothing aside.
+
+What a set-aside checkpoint is to the readers: ``verify`` still says complete (its files are
+intact, and it can be loaded by path) and names what set it aside; ``latest_complete`` never
+names it; retention (``keep=``, ``safestage.prune``) neither counts nor removes it (removing the
+highest steps of a run on an inference would be the most destructive retention there is): a
+WARNING names it once, the user deletes it if it is not wanted, and a re-commit of the same
+directory (the new timeline reaching that step again) replaces it, its marker removed with the
+commit file before anything is written.
+
+The series of a name is the name with its last run of digits as the step: ``checkpoint-500``
+is step 500 of ``checkpoint-*``; ``checkpoint-500-merged`` is of another series
+(``checkpoint-*-merged``), so a merged export is never set aside by, nor sets aside, a training
+checkpoint. Names that carry two counters (Lightning's ``epoch=E-step=S``) form one series per
+epoch: a rollback across an epoch boundary is not seen (two counters cannot be told from a
+run number and a step). A sibling that is a symlink is never written through. Times are the
+committing hosts' clocks: hosts whose clocks disagree by more than the time between a save and
+the next run's first save can hide a rollback, never invent one between saves of one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Callable, Optional
+
+from ._manifest import SET_ASIDE_NAME as MARKER_NAME
+from ._verify import check, read_commit, set_aside_by
+
+log = logging.getLogger("safestage")
+
+FORMAT = "safestage.set-aside"
+VERSION = 1
+
+_LAST_DIGITS = re.compile(r"(\d+)(?!.*\d)", re.S)
+
+
+def series(name: str) -> Optional[tuple[str, str, int]]:
+    """(head, tail, step) of a step-numbered name, its last run of digits being the step; None
+    for a name without digits."""
+    match = _LAST_DIGITS.search(name)
+    if match is None:
+        return None
+    return name[: match.start()], name[match.end() :], int(match[1])
+
+
+def set_aside(dest: Path, started: float, write: Callable[[Path, bytes], None], *, resumed: bool = False) -> list[Path]:
+    """Before ``dest``'s commit file is published (its save began at ``started``): mark what
+    this save abandons, with ``write(path, bytes)`` (the commit's own publish), and, for a
+    ``resumed`` commit, ``dest`` itself if a later save abandoned it. Never raises: a
+    checkpoint that cannot be marked is a WARNING (latest_complete may still name it). Returns
+    those marked."""
+    own = series(dest.name)
+    if own is None:
+        return []
+    head, tail, step = own
+    try:
+        names = os.listdir(dest.parent)
+    except OSError as exc:
+        log.debug("cannot look for checkpoints to set aside beside %s: %s", dest, exc)
+        return []
+    marked = []
+    for name in sorted(names):
+        other = series(name)
+        if other is None or other[:2] != (head, tail) or other[2] == step:
+            continue
+        sibling = dest.parent / name
+        if sibling.is_symlink():
+            continue  # a link may lead into another run: never written through, never followed
+        began = _began(sibling, recorded_only=other[2] < step)
+        if began is None:
+            continue
+        if other[2] > step and began < started and set_aside_by(sibling) is None:
+            target, by, by_step, abandoned, its_step = sibling, dest.name, step, name, other[2]
+        elif other[2] < step and resumed and began > started and set_aside_by(dest) is None:
+            # This copy's run was abandoned before it could land: it lands set aside.
+            target, by, by_step, abandoned, its_step = dest, name, other[2], dest.name, step
+        else:
+            continue
+        if _mark(target, by, by_step, abandoned, its_step, write):
+            marked.append(target)
+    return marked
+
+
+def _began(directory: Path, *, recorded_only: bool) -> Optional[float]:
+    """When the complete checkpoint ``directory``'s save began (None: not complete, or, with
+    ``recorded_only``, not recorded)."""
+    manifest, _, mtime = read_commit(directory)
+    if manifest is None or not check(directory, manifest, deep=False).complete:
+        return None
+    for text in (manifest.started_at, "" if recorded_only else manifest.committed_at):
+        if text:
+            try:
+                return datetime.datetime.fromisoformat(text).timestamp()
+            except ValueError:
+                pass
+    return None if recorded_only else mtime
+
+
+def _mark(target: Path, by: str, by_step: int, name: str, step: int, write: Callable[[Path, bytes], None]) -> bool:
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    document = {"format": FORMAT, "version": VERSION, "by": by, "at": now,
+                "why": f"{by} (step {by_step}) began after {name} (step {step}) had: a run resumed from an "
+                       "older checkpoint and went on from there"}  # fmt: skip
+    try:
+        write(target / MARKER_NAME, (json.dumps(document, indent=1) + "\n").encode())
+    except OSError as exc:
+        log.warning("safestage: %s was abandoned (%s began after it, from an older checkpoint), but could not "
+                    "be set aside (%s): latest_complete may still name it", target, by, exc)  # fmt: skip
+        return False
+    log.warning("safestage: set aside %s: %s began after it, from an older checkpoint (a resumed run's new "
+                "timeline); latest_complete no longer names it", target, by)  # fmt: skip
+    return True

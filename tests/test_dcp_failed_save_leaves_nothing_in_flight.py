@@ -1,0 +1,64 @@
+"""A ``dcp.save`` through ``safestage.dcp.StagedWriter`` that fails before it published anything
+(DCP cannot serialize a value of the state dict) leaves nothing behind in the process that goes
+on training: no local copy in the staging root (nothing was published: it is not worth
+keeping, docs/dcp.md), and no job of this process still "committing" the checkpoint, so
+retention treats it as the leftover it is (docs/retention.md: a live process's commit is one
+"from the moment its block returns until the commit has landed or failed").
+
+A real single-process ``dcp.save`` on the local disk; the failure is DCP's own, raised while the
+writer's ``write_data`` serializes an object that cannot be pickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import safestage
+from safestage._names import parse_stage_dir
+
+
+class Unpicklable:
+    def __reduce__(self) -> Any:
+        raise TypeError("this value cannot be pickled")
+
+
+def save(state: dict[str, Any], dest: Path, root: Path) -> None:
+    from safestage.dcp import StagedWriter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": one process
+        dcp.save(state, storage_writer=StagedWriter(dest, root, single_file_per_rank=False))
+
+
+@pytest.mark.regression("fresh-eyes review of issue 24: after a dcp.save that raised in write_data, prune kept "
+                        "the checkpoint 'because this process is committing it', and every failed attempt left its "
+                        "local files in the staging root until the process exited")
+def test_a_dcp_save_that_failed_before_publishing_leaves_no_copy_and_no_commit_in_flight(
+    tmp_path: Path, stage_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (100, 200):
+        save({"w": torch.full((1024,), float(step))}, run / f"step-{step}", stage_root)
+    assert safestage.latest_complete(run, "step-*") == run / "step-200"
+
+    for _ in range(3):  # the training loop catches the failure and goes on
+        with pytest.raises(BaseException) as raised:  # DCP's CheckpointException
+            save({"a": torch.ones(256 * 1024), "b": Unpicklable(), "c": torch.ones(256 * 1024)},
+                 run / "step-150", stage_root)  # fmt: skip
+        assert "cannot be pickled" in str(raised.value), raised.value  # the fault fired
+
+    left = [name for name in os.listdir(stage_root) if parse_stage_dir(name) is not None]
+    assert left == [], f"{len(left)} local copies left in the staging root"
+    with caplog.at_level(logging.INFO, logger="safestage"):
+        removed = safestage.prune(run, keep=1, pattern="step-*")
+    assert "this process is committing" not in caplog.text, caplog.text
+    assert run / "step-150" in removed, removed
