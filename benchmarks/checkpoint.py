@@ -63,7 +63,7 @@ SMALL = {
 
 sys.path.insert(0, str(HERE.parent))
 import safestage  # noqa: E402
-from safestage import _commit  # noqa: E402
+from safestage.checkpoint import _sequence as _commit  # noqa: E402
 
 # -- 1. digest candidates -------------------------------------------------------------------------
 
