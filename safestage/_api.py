@@ -140,13 +140,15 @@ class Stage(contextlib.ContextDecorator):
         as_error: Callable[[BaseException], BaseException] = as_safetensors_error,
         needs: Optional[int] = None,
         job: Optional[_work.Job] = None,
+        snapshot: Optional[_save.Snapshot] = None,
     ) -> None:
         """One save of any writer through the one pipeline (_save.run): ``serialize(path)``
         writes the file; ``as_error`` gives safestage's errors the class that writer's
-        callers catch (SafetensorError for safetensors, RuntimeError for torch.save)."""
+        callers catch (SafetensorError for safetensors, RuntimeError for torch.save);
+        ``snapshot`` copies its state for a background save to return after the copy."""
         assert self._state != "new", "a Stage saves only once open"
         _save.run(serialize, dest, self.settings, owner=self, record=self._record, needs=needs, as_error=as_error,
-                  job=job)  # fmt: skip
+                  job=job, snapshot=snapshot)  # fmt: skip
 
     def _record(self, record: PublishRecord) -> None:
         with self._records_lock:
@@ -169,6 +171,7 @@ def staged(
     background: Union[bool, int, None] = None,
     skip_local_disk: Optional[bool] = None,
     torch_save: Optional[bool] = None,
+    snapshot_budget: Union[int, str, None] = None,
     **removed: NoReturn,
 ) -> Stage:
     """Stage every safetensors save made inside the block (or the decorated function).
@@ -195,6 +198,7 @@ def staged(
             background=background,
             skip_local_disk=skip_local_disk,
             torch_save=torch_save,
+            snapshot_budget=snapshot_budget,
         )
     )
 
@@ -207,6 +211,7 @@ def activate(
     background: Union[bool, int, None] = None,
     skip_local_disk: Optional[bool] = None,
     torch_save: Optional[bool] = None,
+    snapshot_budget: Union[int, str, None] = None,
     **removed: NoReturn,
 ) -> Stage:
     """Like ``staged()``, already entered: call ``.close()`` on the handle to end it."""
@@ -218,6 +223,7 @@ def activate(
         background=background,
         skip_local_disk=skip_local_disk,
         torch_save=torch_save,
+        snapshot_budget=snapshot_budget,
     )._open()
 
 

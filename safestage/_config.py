@@ -28,6 +28,7 @@ ENV_BACKGROUND = "SAFESTAGE_BACKGROUND"
 ENV_SKIP_LOCAL_DISK = "SAFESTAGE_SKIP_LOCAL_DISK"
 ENV_TORCH_SAVE = "SAFESTAGE_TORCH_SAVE"
 ENV_LOG_LEVEL = "SAFESTAGE_LOG_LEVEL"
+ENV_SNAPSHOT_BUDGET = "SAFESTAGE_SNAPSHOT_BUDGET"
 
 BACKGROUND_ON = 2  # background=True: files publishing at once (benchmarks/README.md)
 MAX_BACKGROUND = 64
@@ -49,6 +50,10 @@ class Settings:
     skip_local_disk: bool = False  # local-disk destinations: the original writer, unstaged
     # Also stage torch.save(obj, path): a patch of a torch module global, so opt-in.
     torch_save: bool = False
+    # Host memory that background saves may hold as snapshots of their state (_snapshot), in
+    # bytes; 0: none (a background save serializes before it returns). None: a quarter of
+    # the machine's memory.
+    snapshot_budget: Optional[int] = None
     # Internal, in no public signature: synchronous replace saves publish while the writer is
     # still writing (_follow). None ("auto"): safetensors saves known to be big; True: also
     # saves of unknown size (torch.save); False: never. Tests set it with
@@ -57,6 +62,17 @@ class Settings:
 
     def staging_root(self) -> Path:
         return self.root if self.root is not None else default_root()
+
+    def snapshot_bytes(self) -> int:
+        return self.snapshot_budget if self.snapshot_budget is not None else default_budget()
+
+
+def default_budget() -> int:
+    """A quarter of the machine's physical memory."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError):
+        return 4 << 30
 
 
 def default_root() -> Path:
@@ -182,6 +198,31 @@ def parse_background(value: object, source: str) -> int:
     )
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
+          "tib": 1 << 40}  # fmt: skip
+
+
+def parse_budget(value: object, source: str) -> int:
+    """Bytes of host memory: a whole number of bytes, or one with a unit ("8GiB", "512M";
+    binary units), or a percentage of the machine's memory ("25%"); 0 is none."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        if text.endswith("%") and _is_small_ascii_number(text[:-1]) and int(text[:-1]) <= 100:
+            return default_budget() * 4 * int(text[:-1]) // 100
+        number = text.rstrip("kmgtib")
+        unit = text[len(number):]
+        if _is_small_ascii_number(number) and unit in _UNITS:
+            return int(number) * _UNITS[unit]
+    raise ConfigError(
+        f"snapshot_budget={value!r} from {source} is not an amount of memory: use bytes (0 for "
+        "none: background saves serialize before they return), a size such as 8GiB or 512MiB, "
+        "or a share of the machine's memory such as 25%"
+    )
+
+
 def _is_small_ascii_number(text: str) -> bool:
     # Not str.isdigit(): it accepts "²" and 5000-digit strings, which int() then rejects.
     return text.isascii() and text.isdigit() and len(text) <= 9
@@ -212,6 +253,7 @@ def resolve(
     background: object = None,
     skip_local_disk: object = None,
     torch_save: object = None,
+    snapshot_budget: object = None,
     environ: Optional[Mapping[str, str]] = None,
 ) -> Settings:
     """Merge explicit arguments over the environment over the defaults. None counts as not
@@ -244,6 +286,12 @@ def resolve(
     else:
         resolved_background = parse_background(background, "the background argument")
 
+    if snapshot_budget is None:
+        env_budget = env_value(env, ENV_SNAPSHOT_BUDGET)
+        budget = parse_budget(env_budget, ENV_SNAPSHOT_BUDGET) if env_budget is not None else None
+    else:
+        budget = parse_budget(snapshot_budget, "the snapshot_budget argument")
+
     return Settings(
         root=resolved_root,
         publish=resolved_publish,
@@ -251,6 +299,7 @@ def resolve(
         background=resolved_background,
         skip_local_disk=_flag(skip_local_disk, "skip_local_disk", env, ENV_SKIP_LOCAL_DISK),
         torch_save=_flag(torch_save, "torch_save", env, ENV_TORCH_SAVE),
+        snapshot_budget=budget,
     )
 
 

@@ -42,6 +42,7 @@ AFTER_FORK_IN_CHILD: tuple[tuple[str, str], ...] = (
     # The parent's save directories' locks: closed here, so only the parent holds them.
     ("safestage._kept", "after_fork_in_child"),
     ("safestage._work", "after_fork_in_child"),
+    ("safestage._snapshot", "after_fork_in_child"),
     ("safestage._patch", "after_fork_in_child"),
     # safestage's gloo groups: process groups do not survive fork().
     ("safestage.checkpoint._collective", "after_fork_in_child"),

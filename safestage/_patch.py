@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
+import pickle
 import stat
 import sys
 import threading
@@ -44,9 +46,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ._errors import PublishError, StagingError, as_safetensors_error, as_torch_error
 from ._paths import resolve_destination
+from ._snapshot import Held, copy_specs, copy_state, offer, to_host, withdraw
 
 if TYPE_CHECKING:
     from ._api import Stage
+    from ._config import Settings
+    from ._save import Deferred
     from ._work import Job
 
 log = logging.getLogger("safestage")
@@ -79,6 +84,9 @@ class _Target:
 
 TARGETS = (
     tuple(_Target(name, ATTRIBUTE, "safetensors") for name in TARGET_MODULES)
+    # safetensors 0.8's save_file flattens its tensors (CUDA ones copied to the CPU) through
+    # this call-time global: a background save copies them through pinned memory first.
+    + tuple(_Target(name, "_flatten_as_ptr", "flatten") for name in ("safetensors.torch",))
     + tuple(_Target(name, DCP_ATTRIBUTE, "dcp") for name in DCP_MODULES)
     + tuple(_Target(name, attribute, "lightning") for name, attribute in LIGHTNING_METHODS)
     + tuple(_Target(name, TORCH_ATTRIBUTE, "torch") for name in TORCH_MODULES)
@@ -92,6 +100,9 @@ _in_save = threading.local()
 # Local directories that are staging already (staged_file and staged_dir yield one): a save
 # into them, from any thread, goes straight to the original writer instead of being staged twice.
 _unstaged_dirs: list[Path] = []
+# Those of them whose saves are serialized later, from a copy (a background staged_dir's
+# local directory: its block returns without waiting for them): {directory: its _save.Deferred}.
+_deferring: dict[Path, Deferred] = {}
 
 
 def current_stage() -> Optional[Stage]:
@@ -152,6 +163,10 @@ def remove(stage: Stage) -> None:
 
 def _wanted_families() -> set[str]:
     families = {"safetensors", "dcp", "lightning"} if _active else set()
+    if _deferring:
+        families.add("safetensors")
+    if "safetensors" in families:
+        families.add("flatten")
     if any(stage.settings.torch_save for stage in _active):
         families.add("torch")
     return families
@@ -356,10 +371,15 @@ def bypass() -> Iterator[None]:
         _in_save.active = previous
 
 
-def add_unstaged_dir(directory: Path) -> None:
-    """Saves into ``directory`` or below (the kernel's path) are not staged until removed."""
+def add_unstaged_dir(directory: Path, deferred: Optional[Deferred] = None) -> None:
+    """Saves into ``directory`` or below (the kernel's path) are not staged until removed.
+    ``deferred``: safetensors saves into it (and torch.save under torch_save) are copied and
+    serialized later (_save.defer), whether or not a stage is open."""
     with _lock:
         _unstaged_dirs.append(directory)
+        if deferred is not None:
+            _deferring[directory] = deferred
+            _sync()
 
 
 def remove_unstaged_dir(directory: Path) -> None:
@@ -368,6 +388,16 @@ def remove_unstaged_dir(directory: Path) -> None:
             if _unstaged_dirs[index] == directory:
                 del _unstaged_dirs[index]
                 break
+        if _deferring.pop(directory, None) is not None:
+            _sync()
+
+
+def deferred_for(dest: Path) -> Optional[Deferred]:
+    with _lock:
+        for directory, deferred in _deferring.items():
+            if dest.is_relative_to(directory):
+                return deferred
+        return None
 
 
 def in_unstaged_dir(dest: Path) -> bool:
@@ -385,11 +415,34 @@ def _filename_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[A
 def _staging_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    if getattr(_in_save, "active", False) or not _active:
+    try:
+        return _stage_file(wrapped, args, kwargs)
+    finally:
+        withdraw()  # a pinned copy of its CUDA tensors that the save did not keep (_flatten_wrapper)
+
+
+def _stage_file(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if getattr(_in_save, "active", False) or not (_active or _deferring):
         return wrapped(*args, **kwargs)
     filename, positional = _filename_argument(args, kwargs)
     dest = _destination(filename)
-    if dest is None or in_unstaged_dir(dest):
+
+    def snapshot(budget: int) -> Optional[tuple[Callable[[str], None], Held]]:
+        copied = copy_specs(args[0] if args else kwargs.get("tensor_dict"), budget)
+        if copied is None:
+            return None
+        specs, held = copied
+        copy_args, copy_kwargs = ((specs, *args[1:]), kwargs) if args else (args, {**kwargs, "tensor_dict": specs})
+        return functools.partial(_serialize_into, wrapped, copy_args, copy_kwargs, positional), held
+
+    deferred = deferred_for(dest) if dest is not None else None
+    if deferred is not None and dest is not None:
+        from ._save import defer
+
+        with bypass():
+            return defer(functools.partial(_serialize_into, wrapped, args, kwargs, positional), dest, deferred,
+                         snapshot=snapshot)  # fmt: skip
+    if dest is None or in_unstaged_dir(dest) or not _active:
         # Not a path we can stage, or a destination a plain save rejects before writing
         # (missing directory, a directory, a trailing slash): let safetensors raise exactly
         # its own error. A staged_file's or staged_dir's local directory is staging already.
@@ -408,10 +461,59 @@ def _staging_wrapper(
 
     try:
         with bypass():  # a wrapper over ours, calling back into us, must not stage twice
-            return stage._save(serialize, dest, needs=_payload_bytes(args, kwargs), job=job)
+            return stage._save(serialize, dest, needs=_payload_bytes(args, kwargs), job=job,
+                               snapshot=snapshot)  # fmt: skip
     except (PublishError, StagingError) as exc:
         as_safetensors_error(exc)  # still caught by `except SafetensorError` (issue 9)
         raise
+
+
+def _serialize_into(
+    wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], positional: bool, staged: str
+) -> None:
+    """serialize_file(tensor_dict, filename, metadata=None) with ``staged`` as its filename."""
+    if positional:
+        wrapped(args[0], staged, *args[2:], **kwargs)
+    else:
+        wrapped(*args, **{**kwargs, "filename": staged})
+
+
+def _flatten_wrapper(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """safetensors.torch._flatten_as_ptr(tensors, keep_alive): where the save may return after
+    a copy of its state, CUDA tensors are copied into one pinned buffer first, issued at once
+    (safetensors copies each into pageable memory), and the buffer becomes the save's copy."""
+    tensors = args[0] if args else kwargs.get("tensors")
+    settings = _deferring_settings()
+    if getattr(_in_save, "active", False) or settings is None or not isinstance(tensors, dict):
+        return wrapped(*args, **kwargs)
+    try:
+        moved = to_host(tensors, settings.snapshot_bytes())
+    except Exception as exc:  # never a failed save for want of a faster copy
+        log.warning("safestage: copying the tensors into pinned memory failed (%s); saving as is", exc)
+        moved = None
+    if moved is None:
+        return wrapped(*args, **kwargs)
+    host, held = moved
+    offer(held)  # taken by this save's copy_specs, else released at its end (withdraw)
+    try:
+        return wrapped(host, *args[1:], **kwargs) if args else wrapped(**{**kwargs, "tensors": host})
+    except BaseException:
+        withdraw()
+        raise
+
+
+def _deferring_settings() -> Optional[Settings]:
+    """The settings of a save that may return after a copy: a background stage's, or a
+    background staged_dir's when one is open; None otherwise."""
+    with _lock:
+        stage = current_stage()
+        if stage is not None and stage.settings.background:
+            return stage.settings
+        for deferred in _deferring.values():
+            return deferred.settings
+    return None
 
 
 def _payload_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
@@ -452,29 +554,54 @@ def _torch_save_wrapper(
         dest = _destination(os.path.realpath(dest))
         if dest is not None and os.path.islink(dest):
             dest = None
-    if dest is None or in_unstaged_dir(dest) or _special_file(dest):
+    if dest is None or _special_file(dest):
         # A buffer, or a path a plain torch.save rejects (missing parent, a directory, a
         # trailing slash): torch raises exactly its own error. A device or FIFO there
         # (torch.save(x, "/dev/null")): torch writes into it, and so must we, never replace it.
+        return wrapped(*args, **kwargs)
+    obj = args[0] if args else kwargs.get("obj")
+    serialize = functools.partial(_torch_save_into, wrapped, args, kwargs, positional)
+
+    def snapshot(budget: int) -> Optional[tuple[Callable[[str], None], Held]]:
+        pickle_module = args[2] if len(args) > 2 else kwargs.get("pickle_module", pickle)
+        copied = copy_state(obj, budget, pickle_module)
+        if copied is None:
+            return None
+        state, held = copied
+        copy_args, copy_kwargs = ((state, *args[1:]), kwargs) if args else (args, {**kwargs, "obj": state})
+        return functools.partial(_torch_save_into, wrapped, copy_args, copy_kwargs, positional), held
+
+    deferred = deferred_for(dest)
+    stage = current_stage()
+    if deferred is not None and stage is not None and stage.settings.torch_save:
+        from ._save import defer
+
+        with bypass():
+            return defer(serialize, dest, deferred, snapshot=snapshot)
+    if in_unstaged_dir(dest):
         return wrapped(*args, **kwargs)
     begun = begin_save(dest, torch_save=True)
     if begun is None:
         return wrapped(*args, **kwargs)
     stage, job = begun
 
-    def serialize(staged: str) -> None:
-        if positional:
-            call_args, call_kwargs = (args[0], staged, *args[2:]), kwargs
-        else:
-            call_args, call_kwargs = args, {**kwargs, "f": staged}
-        run_torch_writer(lambda: wrapped(*call_args, **call_kwargs), staged)
-
     try:
         with bypass():  # the original writes into our staging file: never stage that again
-            return stage._save(serialize, dest, as_error=as_torch_error, job=job)
+            return stage._save(serialize, dest, as_error=as_torch_error, job=job, snapshot=snapshot)
     except (PublishError, StagingError) as exc:
         as_torch_error(exc)  # still caught by `except RuntimeError`, like torch.save's own
         raise
+
+
+def _torch_save_into(
+    wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], positional: bool, staged: str
+) -> None:
+    """torch.save(obj, f, ...) with ``staged`` as its ``f``."""
+    if positional:
+        call_args, call_kwargs = (args[0], staged, *args[2:]), kwargs
+    else:
+        call_args, call_kwargs = args, {**kwargs, "f": staged}
+    run_torch_writer(lambda: wrapped(*call_args, **call_kwargs), staged)
 
 
 def _dcp_wrapper(
@@ -504,6 +631,7 @@ def _lightning_wrapper(
 
 _HANDLERS: dict[str, Callable[..., Any]] = {
     "safetensors": _staging_wrapper,
+    "flatten": _flatten_wrapper,
     "torch": _torch_save_wrapper,
     "dcp": _dcp_wrapper,
     "lightning": _lightning_wrapper,

@@ -9,7 +9,9 @@
 - ``followed``: serialized locally while a thread publishes behind the writer (_follow);
 - ``staged``: serialized locally, then published before the save returns;
 - ``background``: serialized locally, published by the one background publisher
-  (_work), which owns the publish and its error.
+  (_work), which owns the publish and its error. A writer that can copy its state
+  (``snapshot``: safetensors and torch.save) returns once the copy is taken (_snapshot), and
+  the serialization runs on the worker too.
 
 and then run (``run``). The staging root is checked and swept once per process and root
 (``staging_root``), not per save: a Lightning run saving a checkpoint every few minutes
@@ -31,12 +33,13 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 from . import _patch, _work
-from ._config import PathArg, Settings
+from ._config import BACKGROUND_ON, PathArg, Settings
 from ._errors import PublishError, StagingError
 from ._kept import SaveDir
 from ._mounts import is_local_disk
 from ._names import local_name
 from ._paths import absolute, resolve_destination
+from ._snapshot import Held
 from ._stage import (
     LocalCopy,
     PublishRecord,
@@ -44,6 +47,7 @@ from ._stage import (
     follow_strategy,
     keep_unpublished,
     publish_local,
+    staging_failure,
     write_following,
     write_local,
     write_unstaged,
@@ -54,6 +58,9 @@ log = logging.getLogger("safestage")
 Way = Literal["unstaged", "followed", "staged", "background"]
 Record = Callable[[PublishRecord], None]
 AsError = Callable[[BaseException], BaseException]
+# Copy the writer's state within the budget (bytes): the writer of the copy and what holds
+# it, or None when it cannot be copied (the save then serializes before it returns).
+Snapshot = Callable[[int], Optional[tuple[Callable[[str], None], Held]]]
 
 
 def _as_is(exc: BaseException) -> BaseException:
@@ -101,6 +108,7 @@ def after_fork_in_child() -> None:  # registered by _lifecycle
     global _roots_lock
     _roots_lock = threading.Lock()
     _roots.clear()
+    _writing.clear()
 
 
 # -- plan and run --------------------------------------------------------------------------------
@@ -133,9 +141,12 @@ def run(
     needs: Optional[int] = None,
     as_error: AsError = _as_is,
     job: Optional[_work.Job] = None,
+    snapshot: Optional[Snapshot] = None,
 ) -> None:
     """One save: ``write(path)`` writes the file, planned and published as ``plan`` says;
     ``record`` receives its PublishRecord (on a worker thread for a background publish).
+    ``snapshot``: how to copy the writer's state, for a background save to return after the
+    copy.
 
     ``owner`` is whoever waits for its background publish (``_work.wait(owner)``); ``job``,
     the save's job if the caller started it (``_patch``, under its lock), else one is started;
@@ -161,6 +172,10 @@ def run(
             return
         if way == "background":
             _make_room(root, needs, dest, owner)  # checked here: write_local need not again
+            taken = snapshot(settings.snapshot_bytes()) if snapshot is not None else None
+            if taken is not None:
+                _serialize_later(*taken, dest, settings, root, job, record, as_error, needs=needs)
+                return
             needs = None
         copy = write_local(write, dest, root, needs=needs)
         publish(copy, settings, root, job=job if way == "background" else None,
@@ -199,6 +214,57 @@ def publish(
     )  # fmt: skip
 
 
+def _serialize_later(
+    write: Callable[[str], None],
+    held: Held,
+    dest: Path,
+    settings: Settings,
+    root: StagingRoot,
+    job: _work.Job,
+    record: Record,
+    as_error: AsError,
+    *,
+    needs: Optional[int],
+) -> None:
+    """A background save whose state is copied (``held``): serialized from the copy and
+    published on a worker; the copy is released once the local file is written (or not)."""
+
+    def work() -> PublishRecord:
+        try:
+            try:
+                # Room was checked at the call, before the copies of earlier saves were
+                # written: a root full of them now has room once they are published. One
+                # write at a time per root, so that the check sees every copy written.
+                with _local_writes(root.path):
+                    try:
+                        root.check_room(needs, dest)
+                    except StagingError:
+                        if not _work.settle_copies(job.owner, but=job):
+                            raise
+                    copy = write_local(write, dest, root, needs=needs)
+            finally:
+                held.release()
+            job.kept = copy.path  # named if exit is cut short while it publishes
+            published = publish_local(copy, settings, root)
+        except (PublishError, StagingError) as exc:
+            as_error(exc)
+            raise
+        record(published)
+        return published
+
+    # Interrupted while waiting for a slot: nothing was written; the save raises.
+    _work.hand_off(job, work, limit=settings.background, not_started=lambda exc: held.release())
+
+
+_writing: dict[Path, threading.Lock] = {}
+
+
+def _local_writes(root: Path) -> threading.Lock:
+    """The lock of the deferred writes into ``root`` (one at a time)."""
+    with _roots_lock:
+        return _writing.setdefault(root, threading.Lock())
+
+
 def _make_room(root: StagingRoot, needs: Optional[int], dest: Path, owner: object) -> None:
     """background: a root too full for this file now may hold it once the owner's pending
     publishes have landed and their local copies are gone; wait for those before refusing
@@ -214,6 +280,61 @@ def _make_room(root: StagingRoot, needs: Optional[int], dest: Path, owner: objec
         )
         _work.settle(owner=owner)
         root.check_room(needs, dest)
+
+
+# -- a background staged_dir: its saves serialized later, from a copy -----------------------------
+
+
+class Deferred:
+    """The saves into one background ``staged_dir``'s local directory (``_patch`` sends them
+    here): each copied (_snapshot) and serialized on a worker, so that the block returns
+    without waiting for them; its commit waits for them (``wait``) before its checks."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.jobs: list[_work.Job] = []
+
+    def wait(self) -> None:
+        """Until every save has been written; the first failure raised."""
+        errors = _work.failures(self)
+        if errors:
+            raise errors[0]
+
+    def __repr__(self) -> str:
+        return f"<safestage deferred saves: {len(self.jobs)}>"
+
+
+def defer(
+    write: Callable[[str], None],
+    dest: Path,
+    deferred: Deferred,
+    *,
+    snapshot: Snapshot,
+) -> None:
+    """One save into a background staged_dir's local directory: its state copied, then
+    written by the original writer on a worker; or written now when it cannot be copied."""
+    taken = snapshot(deferred.settings.snapshot_bytes())
+    if taken is None:
+        write(str(dest))
+        return
+    write_copy, held = taken
+
+    def work() -> None:
+        try:
+            write_copy(str(dest))
+        except BaseException as exc:
+            # Full, or removed: a staging problem, said so with the errno (as write_local does).
+            translated = staging_failure(exc, dest, deferred.settings.staging_root())
+            if translated is not None:
+                raise translated from exc
+            raise
+        finally:
+            held.release()
+
+    # Interrupted while waiting for a slot: nothing was written; the save raises.
+    job = _work.submit(work, "file", dest, deferred, limit=max(deferred.settings.background, BACKGROUND_ON),
+                       not_started=lambda exc: held.release())  # fmt: skip
+    deferred.jobs.append(job)
 
 
 # -- staged_file: the writer is the caller's block ----------------------------------------------

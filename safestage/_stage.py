@@ -352,7 +352,7 @@ def write_local(
         _write_checked(write, staged, dest)
     except BaseException as exc:
         private.remove()
-        translated = _staging_failure(exc, staged, staging.path)
+        translated = staging_failure(exc, staged, staging.path)
         if translated is not None:
             raise translated from exc
         raise
@@ -434,7 +434,7 @@ def write_following(
         if item is None:  # the writer failed, or was interrupted: nothing to keep
             with deferred():
                 private.remove()
-            translated = _staging_failure(exc, staged, staging.path)
+            translated = staging_failure(exc, staged, staging.path)
             if translated is not None:
                 raise translated from exc
             raise
@@ -621,7 +621,7 @@ def errno_of(exc: BaseException) -> Optional[int]:
     return None
 
 
-def _staging_failure(exc: BaseException, staged: Path, root: Path) -> Optional[StagingError]:
+def staging_failure(exc: BaseException, staged: Path, root: Path) -> Optional[StagingError]:
     """An I/O failure of the writer inside the staging root is a staging problem, not the
     caller's tensors: say so, with the errno. Tensor errors pass through unchanged."""
     code = errno_of(exc)

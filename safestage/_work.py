@@ -301,6 +301,21 @@ def settle(
         )
 
 
+def settle_copies(owner: object, *, but: Job) -> bool:
+    """Wait until no background job of ``owner`` but ``but`` holds a complete local copy
+    (its ``kept``) that is still to be published; False when none did (nothing to wait for).
+    Those never wait for anything themselves: a worker may wait for them."""
+
+    def holding() -> list[Job]:
+        return [job for job in _running(owner=owner, background=True) if job is not but and job.kept is not None]
+
+    with _condition:
+        if not holding():
+            return False
+        _condition.wait_for(lambda: not holding())
+    return True
+
+
 def make_room(kind: Kind, limit: int) -> None:
     """Wait until fewer than ``limit`` background jobs of ``kind`` run (a background commit
     waits so before its block starts: never more local copies than that)."""

@@ -35,18 +35,20 @@ S3 mounts, mountpoint-s3) copies the checkpoint through the plugin instead of
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Optional, Union
+from typing import Any, Callable, NoReturn, Optional, Union
 
 from . import _config, _patch, _save, _work
 from ._config import PathArg, Publish, Settings
 from ._errors import ConfigError
 from ._mounts import is_local_disk
 from ._paths import resolve_destination
+from ._snapshot import Held, copy_state
 from ._stage import PublishRecord
 from .checkpoint._sequence import destination_directory
 from .checkpoint._staged_dir import staged_dir
@@ -74,8 +76,9 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
     serializes it (same bytes); another ``checkpoint_io`` is asked to save into the staging
     file itself.
 
-    ``background=True``: ``save_checkpoint`` returns once the checkpoint is complete in the
-    staging root and publishes it on safestage's background publisher (2 at once;
+    ``background=True``: ``save_checkpoint`` returns once the checkpoint's tensors are
+    copied into host buffers safestage owns (``SAFESTAGE_SNAPSHOT_BUDGET`` bounds them), then
+    serializes and publishes it on safestage's background publisher (2 at once;
     ``background=N``: at most N). A checkpoint still publishing exists for whoever asks:
     removing or loading it, and ModelCheckpoint's version counter and ``save_last="link"``,
     first wait for its publish, so ModelCheckpoint keeps what it keeps synchronously. A failed
@@ -142,17 +145,23 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         # TorchCheckpointIO makes the checkpoint's directory (ModelCheckpoint relies on it).
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
 
-        def write(staged: str) -> None:
+        def write(state: dict[str, Any], staged: str) -> None:
             with _patch.bypass():  # torch_save staging must not stage our staging file again
                 if default:
                     with open(staged, "wb") as stream:  # a stream, as _atomic_save's BytesIO
-                        _patch.run_torch_writer(lambda: _torch_save(checkpoint, stream), staged)
+                        _patch.run_torch_writer(lambda: _torch_save(state, stream), staged)
                 else:
                     self.checkpoint_io.save_checkpoint(
-                        checkpoint, staged, storage_options=storage_options
+                        state, staged, storage_options=storage_options
                     )
 
-        _save.run(write, _save.destination(local), self.settings, owner=self, record=self._record)
+        def snapshot(budget: int) -> Optional[tuple[Callable[[str], None], Held]]:
+            # background: save_checkpoint returns once the checkpoint's tensors are copied.
+            copied = copy_state(checkpoint, budget)
+            return None if copied is None else (functools.partial(write, copied[0]), copied[1])
+
+        _save.run(functools.partial(write, checkpoint), _save.destination(local), self.settings, owner=self,
+                  record=self._record, snapshot=snapshot)  # fmt: skip
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's own load, after this path's pending background publish: a load right

@@ -181,7 +181,9 @@ def test_background_waits_for_pending_publishes_before_calling_the_root_full(tmp
     try:
         with hostile_mount("slow", tmp_path / "mnt", mbps=20) as mount:
             dest = Path(mount.path)
-            with safestage.staged(root, background=2) as stage:
+            # Without snapshots: each save writes its copy before it returns (with them, see
+            # test_snapshot_saves.py: a root that holds one copy at a time).
+            with safestage.staged(root, background=2, snapshot_budget=0) as stage:
                 for i, shard in enumerate(shards):
                     save_file(shard, str(dest / f"shard-{i}.safetensors"))
                     if i == 1:

@@ -4,11 +4,15 @@ The block writes the checkpoint into a local directory; when it returns, the one
 sequence (``_sequence``) lands it: alone, or, with ``group=``, as every rank's part of one
 collective commit (``_collective``). The object ``staged_dir()`` returns is the commit's handle:
 ``wait()`` (the manifest, or the error), ``done()``; a background commit (``background=``) goes
-on on a safestage worker after the block (``_work``).
+on on a safestage worker after the block (``_work``). The block of a background commit returns
+without waiting for the saves inside it either: each safetensors save (and torch.save under
+``torch_save``) into its local directory returns once its tensors are copied (``_save.defer``),
+and the commit checks the directory once they are written.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, Optional, Union
@@ -17,6 +21,7 @@ from .. import _config, _patch, _work
 from .._config import PathArg, Publish, Settings
 from .._errors import ConfigError
 from .._kept import Part
+from .._save import Deferred
 from . import _prune, _sequence
 from ._manifest import Manifest
 from ._sequence import Alone, Commit, Peers
@@ -48,6 +53,7 @@ class StagedDir:
         self._background = background  # commits in flight at most (0: the block's end commits)
         self._peers: Optional[Peers] = None
         self._job: Optional[_work.Job] = None
+        self._deferred: Optional[Deferred] = None  # a background commit's saves, written later
         self._state = "new"
 
     @property
@@ -97,7 +103,9 @@ class StagedDir:
         else:
             self._peers = Alone()
         local = _sequence.enter(self._commit, self._peers)
-        _patch.add_unstaged_dir(local)
+        if self._background and self._group is None and _work.may_defer(self):
+            self._deferred = Deferred(self.settings)
+        _patch.add_unstaged_dir(local, self._deferred)
         return local
 
     def __exit__(
@@ -112,11 +120,20 @@ class StagedDir:
         )
         self._state = "closed"
         _patch.remove_unstaged_dir(commit.local)
+        deferred = self._deferred
         if exc is not None:  # nothing is published; the block's exception propagates
+            if deferred is not None:
+                _work.failures(deferred)  # written (or failed) before the directory goes
             _sequence.check(commit, peers, exc)
             return
         with _work.running("commit", commit.dest, self) as job:
             self._job = job
+            if deferred is not None and deferred.jobs:
+                # Saves of the block still serializing from their copies: the checks wait for
+                # them, on the worker.
+                _work.hand_off(job, functools.partial(self._land_later, deferred), limit=self._background,
+                               kept=commit.local, not_started=functools.partial(self._keep_later, deferred))  # fmt: skip
+                return
             checked = _sequence.check(commit, peers, None)
             assert checked is not None
             try:
@@ -135,6 +152,28 @@ class StagedDir:
                 if not job.background:
                     commit.keep(interrupted, tree=checked[0])
                 raise
+
+    def _land_later(self, deferred: Deferred) -> Manifest:
+        """A background commit whose block's saves were deferred: once they are written, steps
+        2 to 7 on the worker. A save that failed fails the commit as a block that raised."""
+        commit, peers = self._commit, self._peers
+        assert peers is not None
+        try:
+            deferred.wait()
+        except BaseException as failed:
+            _sequence.check(commit, peers, failed)  # nothing published; the copy removed
+            raise
+        manifest = _sequence.run(commit, peers)
+        assert manifest is not None
+        return manifest
+
+    def _keep_later(self, deferred: Deferred, interrupted: BaseException) -> None:
+        """Interrupted while waiting for a commit slot: the copy is kept once its saves are
+        written, as a complete block's copy is (removed if one of them failed)."""
+        if _work.failures(deferred):
+            self._commit.discard()
+        else:
+            self._commit.keep(interrupted)
 
     def __repr__(self) -> str:
         return (
