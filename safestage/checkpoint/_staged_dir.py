@@ -236,6 +236,10 @@ def staged_dir(
     manifest, or the PublishError; ``done()``). At most one commit is in flight (``N``: at
     most N): the next ``staged_dir`` waits before its block. A failed background commit is
     raised by ``wait()``, by the next ``staged_dir`` and, if nobody saw it, at exit (status 1).
+    The block itself does not wait for its safetensors saves (nor, under ``torch_save``, its
+    ``torch.save``s): each returns once its tensors are copied, and is written from the copy
+    on safestage's threads; the commit checks the directory once they are written, and a save
+    that failed fails it (nothing is committed).
 
     ``keep=N``: once the commit file has landed, prune ``dest``'s parent of the checkpoints
     named like it (its name with the trailing step number as ``*``, which matches step numbers
