@@ -181,22 +181,24 @@ def test_following_is_automatic_and_forced_only_through_the_internal_seam(tmp_pa
     assert "follow=" not in repr(stage.settings)
 
 
-def test_the_public_options_are_six_and_the_variables_seven():
+def test_the_public_options_and_variables_are_these():
     """What the v0.2 consolidation promised (issue 17): the options of staged() and the
-    variables that are read."""
+    variables that are read; 0.4 added one of each, the snapshot budget (issue 26)."""
     import inspect
 
     from safestage import _config
 
     options = [p for p in inspect.signature(safestage.staged).parameters.values() if p.kind is not p.VAR_KEYWORD]
-    assert [p.name for p in options] == ["root", "publish", "fsync", "background", "skip_local_disk", "torch_save"]
+    assert [p.name for p in options] == [
+        "root", "publish", "fsync", "background", "skip_local_disk", "torch_save", "snapshot_budget"
+    ]  # fmt: skip
     assert [p.name for p in inspect.signature(safestage.activate).parameters.values()] == [
         p.name for p in inspect.signature(safestage.staged).parameters.values()
     ]
     variables = sorted(v for k, v in vars(_config).items() if k.startswith("ENV_"))
     assert variables == sorted(
         ["SAFESTAGE", "SAFESTAGE_DIR", "SAFESTAGE_PUBLISH", "SAFESTAGE_BACKGROUND",
-         "SAFESTAGE_SKIP_LOCAL_DISK", "SAFESTAGE_TORCH_SAVE", "SAFESTAGE_LOG_LEVEL"]
+         "SAFESTAGE_SKIP_LOCAL_DISK", "SAFESTAGE_TORCH_SAVE", "SAFESTAGE_LOG_LEVEL", "SAFESTAGE_SNAPSHOT_BUDGET"]
     )  # fmt: skip
 
 
@@ -527,3 +529,14 @@ def test_a_program_with_fuzzed_variables_runs_on_with_at_most_one_warning(enviro
             )
     finally:
         shutil.rmtree(cwd, ignore_errors=True)
+
+
+def test_a_bad_snapshot_budget_names_where_it_came_from(monkeypatch):
+    monkeypatch.setenv("SAFESTAGE_SNAPSHOT_BUDGET", "lots")
+    with pytest.raises(ConfigError, match=r"snapshot_budget='lots' from SAFESTAGE_SNAPSHOT_BUDGET .* 8GiB"):
+        safestage.staged()
+    with pytest.raises(ConfigError, match="from the snapshot_budget argument"):
+        safestage.staged(snapshot_budget=-1)
+    monkeypatch.setenv("SAFESTAGE_SNAPSHOT_BUDGET", "512MiB")
+    assert safestage.staged().settings.snapshot_budget == 512 << 20
+    assert safestage.staged(snapshot_budget="1G").settings.snapshot_budget == 1 << 30
