@@ -350,11 +350,13 @@ def _due_actions(dest: Path) -> list[Callable[[], None]]:
     return _then.pop(dest)
 
 
-def failures(owner: object = None, *, finished_only: bool = False) -> list[BaseException]:
-    """Wait for ``owner``'s background jobs (None: every one); return the errors nobody has
-    seen, now seen. ``finished_only``: do not wait."""
+def failures(
+    owner: object = None, *, kind: Optional[Kind] = None, finished_only: bool = False
+) -> list[BaseException]:
+    """Wait for ``owner``'s background jobs (None: every one; ``kind``: of that kind only);
+    return the errors nobody has seen, now seen. ``finished_only``: do not wait."""
     with _condition:
-        chosen = [job for job in _jobs if owner is None or job.owner is owner]
+        chosen = [job for job in _jobs if (owner is None or job.owner is owner) and kind in (None, job.kind)]
         if finished_only:
             chosen = [job for job in chosen if job.finished]
         else:

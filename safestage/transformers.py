@@ -32,7 +32,10 @@ would spare it little of the read-back (docs/integrations.md, "Many ranks and ma
 retention, which counts only complete checkpoints), in place of the Trainer's
 ``save_total_limit``, which rotates before the commit (Megatron-Bridge#5184).
 ``CommitCallback(background=True)`` commits on a safestage thread while training goes on, one
-at a time, waited for before the Trainer writes the next checkpoint (docs/integrations.md).
+at a time, waited for before the Trainer writes the next checkpoint (docs/integrations.md). In
+one process the wait for its files (``SAFESTAGE_BACKGROUND``: written and published on safestage's
+threads from copies of the state) goes on that thread too, so the Trainer's loop waits only for
+the copies; with several ranks ``on_save`` waits for this rank's files before the barrier.
 
 What it holds is glue only: when to commit (the Trainer's events, the barrier) and where
 (``checkpoint-<global_step>`` under ``output_dir``). Reading back and committing are the core's.
@@ -155,34 +158,24 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
 
         checkpoint = self._checkpoint(args, state)
         self._wait_for_commit("at the next on_save")  # landed before the next one, or raised
+        started, self._started = self._started, None  # this checkpoint's; the next sets its own
+        spare = self._best(state)
+        if self._background and _work.may_defer(self) and not _many_ranks():
+            # One process: its files are all the commit waits for, so that wait goes on the
+            # commit's thread too, and the Trainer's loop waits only for the copies of its state
+            # (SAFESTAGE_BACKGROUND saves return after a copy). One commit at a time: the next
+            # save waits for it first (_before_save, on_save).
+            work = functools.partial(self._land_and_commit, args, checkpoint, spare, started)
+            _work.submit(work, "commit", real_directory(checkpoint) or checkpoint, self, limit=1,
+                         not_started=lambda exc: None)  # fmt: skip
+            return
         # This rank's background publishes (SAFESTAGE_BACKGROUND) have landed or failed; a
         # failure is raised unless it is a file of a checkpoint the rotation deleted.
         _raise_unless_rotated(_work.failures(), checkpoint)
         _barrier()  # every rank has written its files
-        if not args.should_save:
+        dest = self._committable(args, checkpoint)
+        if dest is None:
             return
-        if not checkpoint.is_dir():
-            # The Trainer's own rotation (save_total_limit) runs before on_save and can delete the
-            # checkpoint it has just written: it keeps the highest step numbers when directory
-            # mtimes are less than 1 s apart, and a run resumed from an older checkpoint writes
-            # lower ones. Nothing to commit; the Trainer decided.
-            log.warning(
-                "%s: not there any more (removed by save_total_limit?): not committed", checkpoint
-            )
-            return
-        if _rotated(checkpoint):
-            # The rotation deleted it while files of it were still publishing in the background:
-            # rmtree (ignore_errors) could not remove the directory they landed in after its
-            # listing. What is left is a fragment, never a checkpoint to commit.
-            log.warning(
-                "%s: removed by save_total_limit while files of it were still publishing "
-                "(SAFESTAGE_BACKGROUND); not committed: what is left (%s) is not a checkpoint",
-                checkpoint, ", ".join(sorted(p.name for p in checkpoint.iterdir())) or "nothing",
-            )  # fmt: skip
-            return
-        spare = self._best(state)
-        dest = real_directory(checkpoint) or checkpoint
-        started, self._started = self._started, None  # this checkpoint's; the next sets its own
         work = functools.partial(self._commit, checkpoint, dest, spare, started)
         if self._background and _work.may_defer(self):
             # The Trainer has written every file (the barrier above): reading them back and
@@ -194,6 +187,43 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
             "commit", dest, self
         ):  # a prune of this process never removes it meanwhile
             work()
+
+    def _land_and_commit(
+        self, args: Any, checkpoint: Path, spare: dict[Path, str], started: Optional[float]
+    ) -> None:
+        """One process, in the background: once its files have landed, the commit."""
+        from . import _work
+
+        _raise_unless_rotated(_work.failures(kind="file"), checkpoint)
+        dest = self._committable(args, checkpoint)
+        if dest is not None:
+            self._commit(checkpoint, dest, spare, started)
+
+    def _committable(self, args: Any, checkpoint: Path) -> Optional[Path]:
+        """Where to commit ``checkpoint`` once its files have landed; None when this process
+        does not commit or the Trainer's rotation removed it."""
+        if not args.should_save:
+            return None
+        if not checkpoint.is_dir():
+            # The Trainer's own rotation (save_total_limit) runs before on_save and can delete the
+            # checkpoint it has just written: it keeps the highest step numbers when directory
+            # mtimes are less than 1 s apart, and a run resumed from an older checkpoint writes
+            # lower ones. Nothing to commit; the Trainer decided.
+            log.warning(
+                "%s: not there any more (removed by save_total_limit?): not committed", checkpoint
+            )
+            return None
+        if _rotated(checkpoint):
+            # The rotation deleted it while files of it were still publishing in the background:
+            # rmtree (ignore_errors) could not remove the directory they landed in after its
+            # listing. What is left is a fragment, never a checkpoint to commit.
+            log.warning(
+                "%s: removed by save_total_limit while files of it were still publishing "
+                "(SAFESTAGE_BACKGROUND); not committed: what is left (%s) is not a checkpoint",
+                checkpoint, ", ".join(sorted(p.name for p in checkpoint.iterdir())) or "nothing",
+            )  # fmt: skip
+            return None
+        return real_directory(checkpoint) or checkpoint
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._wait_for_commit("at the end of training")  # the last checkpoint has landed, or raised
@@ -327,6 +357,17 @@ def _raise_unless_rotated(failures: list[BaseException], checkpoint: Path) -> No
 
 def _inside(path: Optional[str], directory: Path) -> bool:
     return path is not None and Path(path).is_relative_to(directory)
+
+
+def _many_ranks() -> bool:
+    """Whether torch.distributed is up with more than one rank (the barrier is needed)."""
+    import sys
+
+    if "torch" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _barrier() -> None:

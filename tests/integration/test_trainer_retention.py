@@ -197,3 +197,72 @@ def test_a_failed_background_commit_stops_the_run_at_the_next_save_and_prunes_no
 def test_a_bad_keep_is_refused_when_the_callback_is_made(bad):
     with pytest.raises(safestage.ConfigError, match="CommitCallback: keep="):
         CommitCallback(keep=bad)
+
+
+class _HeldWriter:
+    """safetensors' serialize_file, held until released: while it is held, a save that waited
+    for its file to be written could not return."""
+
+    def __init__(self) -> None:
+        import safetensors.torch
+
+        self.original = safetensors.torch.serialize_file
+        self.held = 0
+        self.release = __import__("threading").Event()
+        self.threads: list[str] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        self.held += 1
+        try:
+            assert self.release.wait(30), "the Trainer waited for a file it should not wait for"
+        finally:
+            self.held -= 1
+        return self.original(*args, **kwargs)
+
+
+class _ReleaseAtSave(transformers.TrainerCallback):
+    """Listed after CommitCallback: at the first on_save, how many file writes are still held
+    (the Trainer's loop got there without waiting for them); then lets them go."""
+
+    def __init__(self, writer: _HeldWriter) -> None:
+        self.writer, self.held_at_save = writer, None
+
+    def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.held_at_save is None:
+            self.held_at_save = self.writer.held
+        self.writer.release.set()
+
+
+@HDFS
+def test_background_saves_and_commits_let_the_trainer_go_on_before_its_files_are_written(
+    kit_dir, root, monkeypatch
+):
+    """One process, SAFESTAGE_BACKGROUND with CommitCallback(background=True): the Trainer's
+    loop waits only for the copies of its state; the files are written, published and committed
+    on safestage's threads, and every checkpoint is complete."""
+    import safetensors.torch
+
+    writer = _HeldWriter()
+    monkeypatch.setattr(safetensors.torch, "serialize_file", writer)
+    output_dir = kit_dir / "run"
+    # background=8: every file of a checkpoint may be in flight (with 2, the third file's save
+    # waits for a slot, here held by the first file's write forever).
+    with safestage.staged(root, background=8, torch_save=True):
+        commit = CommitCallback(background=True)
+        release = _ReleaseAtSave(writer)
+        from _clients import tiny_llama
+
+        trainer = transformers.Trainer(
+            model=tiny_llama(), args=_arguments(output_dir, 2), train_dataset=_Tokens(),
+            callbacks=[commit, release],
+        )  # fmt: skip
+        trainer.train()
+    assert release.held_at_save == 1  # model.safetensors was still to be written at on_save
+    assert writer.threads and all(name.startswith("safestage-") for name in writer.threads), writer.threads
+    assert [path.name for path, _, _ in commit.committed] == ["checkpoint-1", "checkpoint-2"]
+    for name in ("checkpoint-1", "checkpoint-2"):
+        assert safestage.verify(output_dir / name, deep=True).complete, name
+    assert not stray_files(output_dir)
