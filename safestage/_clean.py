@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ._kept import sweep
+from ._kept import removal_error, sweep
 from ._locks import owner_gone, taken
 from ._names import Owner, parse_doctor_dir, parse_stage_dir, parse_temp_name
 
@@ -180,22 +179,8 @@ def _handle(
             return entry("kept", reason)
         if dry_run:
             return entry("would-remove", reason)
-        error = _remove(path, kind)  # still under our lock: no owner can claim it meanwhile
+        # Still under our lock: no owner can claim it meanwhile.
+        error = removal_error(path, file=kind == "temp")
     if error is not None:
         return entry("failed", f"{reason}; removing it failed: {error}")
     return entry("removed", reason)
-
-
-def _remove(path: Path, kind: str) -> Optional[str]:
-    try:
-        if kind == "temp":
-            os.unlink(path)
-        else:
-            shutil.rmtree(path)  # refuses a symlink, never follows one inside
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return f"[Errno {exc.errno}] {exc.strerror}" + (
-            f" ({exc.filename})" if exc.filename else ""
-        )
-    return None

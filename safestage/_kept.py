@@ -520,7 +520,7 @@ def sweep(root: Path, *, dry_run: bool = False, warn_kept: bool = False) -> list
             if dry_run:
                 results.append(Swept(found, "would-remove", why))
                 continue
-            error = _remove(found.path)
+            error = removal_error(found.path)
         results.append(Swept(found, "failed", f"{why}; removing it failed: {error}") if error
                        else Swept(found, "removed", why))  # fmt: skip
     if kept and warn_kept and root not in _warned:
@@ -594,7 +594,7 @@ def discard(path: Path) -> Optional[str]:
         gone, why = owner_gone(owner, locked, local=True)
         if not gone:
             return f"{save_dir} is in use: {why}"
-        error = _remove(save_dir)
+        error = removal_error(save_dir)
     return None if error is None else f"removing {save_dir} failed: {error}"
 
 
@@ -611,9 +611,14 @@ def discard_for(staged_path: Optional[str]) -> bool:
     return not save_dir.exists()
 
 
-def _remove(path: Path) -> Optional[str]:
+def removal_error(path: Path, *, file: bool = False) -> Optional[str]:
+    """Remove ``path`` (a directory tree, or a ``file``); what went wrong, said for a report,
+    or None (removed, or already gone)."""
     try:
-        shutil.rmtree(path)  # refuses a symlink, never follows one inside
+        if file:
+            os.unlink(path)
+        else:
+            shutil.rmtree(path)  # refuses a symlink, never follows one inside
     except FileNotFoundError:
         return None
     except OSError as exc:
