@@ -164,7 +164,9 @@ def remove(stage: Stage) -> None:
 def _wanted_families() -> set[str]:
     families = {"safetensors", "dcp", "lightning"} if _active else set()
     if _deferring:
-        families.add("safetensors")
+        # A background staged_dir's block returns without waiting for its saves, torch.saves
+        # included: both are wrapped while one is open (a save elsewhere passes through).
+        families.update(("safetensors", "torch"))
     if "safetensors" in families:
         families.add("flatten")
     if any(stage.settings.torch_save for stage in _active):
@@ -543,8 +545,9 @@ def _torch_save_wrapper(
 ) -> Any:
     """torch.save(obj, f, ...): a str or PathLike ``f`` is staged and published like a
     safetensors save; file objects and buffers (Lightning's BytesIO, DCP's streams) pass
-    through untouched, and so does every other argument."""
-    if getattr(_in_save, "active", False) or not _active:
+    through untouched, and so does every other argument. Into a background staged_dir's
+    local directory (safestage's own), a save is deferred with or without ``torch_save``."""
+    if getattr(_in_save, "active", False) or not (_active or _deferring):
         return wrapped(*args, **kwargs)
     target, positional = (args[1], True) if len(args) >= 2 else (kwargs.get("f"), False)
     dest = _destination(target)
@@ -572,8 +575,7 @@ def _torch_save_wrapper(
         return functools.partial(_torch_save_into, wrapped, copy_args, copy_kwargs, positional), held
 
     deferred = deferred_for(dest)
-    stage = current_stage()
-    if deferred is not None and stage is not None and stage.settings.torch_save:
+    if deferred is not None:
         from ._save import defer
 
         with bypass():

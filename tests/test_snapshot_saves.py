@@ -336,3 +336,36 @@ def test_tensors_copied_before_safetensors_flattens_them_are_the_copy_the_save_k
     assert (tmp_path / "model.safetensors").read_bytes() == (tmp_path / "ref" / "model.safetensors").read_bytes()
     in_use, free = _snapshot.pooled_bytes()
     assert in_use == 0 and size <= free < size + 4096, (size, free)  # one copy, not two
+
+
+def test_a_background_staged_dir_defers_its_torch_saves_without_torch_save_staging(
+    tmp_path: Path, stage_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The optimizer's torch.save into the block's local directory returns after the copy too
+    (no torch_save stage is open), and torch.save elsewhere is untouched meanwhile."""
+    import torch.serialization
+
+    original, threads = torch.serialization.save, []
+
+    def recording_save(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.serialization, "save", recording_save)
+    monkeypatch.setattr(torch, "save", recording_save)
+    state, optimizer = _training_state()
+    (tmp_path / "ref").mkdir()
+    torch.save(state, tmp_path / "ref" / "optimizer.pt")
+    commit = safestage.staged_dir(tmp_path / "checkpoint-1", stage_root, background=True)
+    with commit as local:
+        torch.save(state, local / "optimizer.pt")
+        torch.save({"elsewhere": 1}, tmp_path / "elsewhere.pt")  # not the block's: as it is
+        optimizer.step()
+        state["flat"].fill_(-1)
+    commit.wait()
+    # The reference and the save elsewhere on this thread; the block's save on a worker.
+    assert threads.count("MainThread") == 2 and len(threads) == 3, threads
+    assert [name for name in threads if name != "MainThread"][0].startswith("safestage-"), threads
+    assert (tmp_path / "checkpoint-1" / "optimizer.pt").read_bytes() == (tmp_path / "ref" / "optimizer.pt").read_bytes()
+    assert torch.load(tmp_path / "elsewhere.pt") == {"elsewhere": 1}
+    assert torch.save is recording_save and torch.serialization.save is recording_save  # restored
