@@ -949,8 +949,8 @@ class GpuBench:
             options = StagingOptions(use_pinned_memory=self.cuda, use_shared_memory=False,
                                      use_async_staging=False, use_non_blocking_copy=self.cuda)  # fmt: skip
             self.stager = DefaultStager(options)
-        except (ImportError, TypeError) as exc:  # an older torch: no pinned stager to compare with
-            self.stager_note = f"no pinned DCP stager in torch {torch.__version__}: {exc}"
+        except Exception as exc:  # an older torch (no staging module, other options): none to compare with
+            self.stager_note = f"no pinned DCP stager in torch {torch.__version__}: {_error_text(exc)}"
         self.sync()
 
     def sync(self) -> None:
@@ -991,11 +991,22 @@ def _snapshot_budget_env(value: Optional[str]) -> Any:
 
 
 def gpu_save(way: str, bench: GpuBench, label: str) -> dict[str, Any]:
-    """One save of ``way``: its blocked and until-durable seconds (and parts where it has them)."""
+    """One save of ``way``: its blocked and until-durable seconds (and parts where it has them);
+    what it wrote is removed after, failed or not (the disk holds a few states at most)."""
+    dest = bench.dest / f"{way}-{label}"
+    try:
+        return _gpu_save(way, bench, dest, label)
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+        for leftover in (bench.scratch / f"plain-{label}.safetensors", bench.root / f"floor-{label}.safetensors"):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+
+
+def _gpu_save(way: str, bench: GpuBench, dest: Path, label: str) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     now = time.perf_counter
-    dest = bench.dest / f"{way}-{label}"
     out: dict[str, Any] = {}
     bench.sync()
     if way == "pinned-copy":
@@ -1012,7 +1023,6 @@ def gpu_save(way: str, bench: GpuBench, label: str) -> dict[str, Any]:
         started = now()
         save_file(bench.state, str(target))
         out["blocked_s"] = out["written_s"] = now() - started
-        target.unlink()
     elif way == "floor-durable":
         dest.mkdir()
         staged = bench.root / f"floor-{label}.safetensors"
@@ -1075,7 +1085,6 @@ def gpu_save(way: str, bench: GpuBench, label: str) -> dict[str, Any]:
         out["durable_s"] = now() - started
     else:
         raise ValueError(way)
-    shutil.rmtree(dest, ignore_errors=True)
     return out
 
 
@@ -1155,7 +1164,8 @@ def gpu_report(results: dict[str, Any]) -> str:
         "save of that way in this process (pools, torch's pinned cache and DCP's stager allocate then); the median "
         "(min-max) of the later ones. Ratios use the later ones' median. GB = 1e9 bytes of state. Targets (issue 26): "
         f"`{'`, `'.join(GPU_SNAPSHOT_WAYS)}` blocked <= {GPU_BLOCKED_TARGET:g}x `pinned-copy`, until durable <= "
-        f"{GPU_DURABLE_TARGET:g}x `floor-durable`.",
+        f"{GPU_DURABLE_TARGET:g}x `floor-durable`. Peak pool: `safestage._snapshot.pooled_bytes()` sampled every 5 ms "
+        "during the way's saves (in use: its snapshots; held: in use + the free buffers the pool keeps, from earlier ways too).",
         "",
         "| way | blocked s: first; later | blocked s/GB | blocked / pinned copy | until durable s: first; later | durable s/GB | durable / floor-durable | peak pool MiB (in use; held) |",
         "|---|---|---|---|---|---|---|---|",
