@@ -1,25 +1,26 @@
 """PyTorch's own DCP tests with the switch on (issue 25): the file-system save/load tests of
-``test/distributed/checkpoint`` that run on CPU with gloo, run twice with pytest, compared
-test by test:
+``test/distributed/checkpoint`` that run on CPU with gloo, run with pytest (one file at a time,
+each under ``--timeout``), compared test by test:
 
 1. plain: no safestage variable, temporary directories on local disk;
-2. switched: ``SAFESTAGE_DIR`` set (the start-up hook stages every process, the spawned ranks
-   of ``MultiProcessTestCase`` included), and every temporary *directory* the tests make
-   (``tempfile.mkdtemp``, ``TemporaryDirectory``, ``with_temp_dir``: where they save) on a
-   kit mount; temporary files (the file store the ranks rendezvous through) stay local.
+2. switched, once per kit mode: ``SAFESTAGE_DIR`` set (the start-up hook stages every process,
+   the spawned ranks of ``MultiProcessTestCase`` included), and every temporary *directory* the
+   tests make (``tempfile.mkdtemp``, ``TemporaryDirectory``, ``with_temp_dir``: where they save)
+   on a kit mount; temporary files (the file store the ranks rendezvous through) stay local.
 
 PyTorch's test files are not part of safestage: give their directory (a checkout's
 ``test/distributed/checkpoint``, at the tag of the installed torch) in
-``SAFESTAGE_PYTORCH_TESTS`` (or ``--tests``), and ``expecttest`` installed
-(``pip install expecttest``; ``torch.testing._internal.common_utils`` imports it).
+``SAFESTAGE_PYTORCH_TESTS`` (or ``--tests``), and ``expecttest`` and ``zstandard`` installed
+(``torch.testing._internal.common_utils`` imports the first, the ``ZStandard`` tests the second).
 
     SAFESTAGE_PYTORCH_TESTS=~/pytorch/test/distributed/checkpoint \\
         PYTHONPATH=. .venv/bin/python benchmarks/dcp_peer_tests.py [--mounts mountpoint hdfs] \\
         [--files test_file_system_checkpoint_cpu.py ...]
 
 Prints and writes ``benchmarks/results/<date>-dcp-peer-tests.{json,md}``: each test's outcome
-per run, the tests whose outcome differs from the plain run, and the switched runs' checkpoints
-(how many directories the tests left hold a commit file, and that each of them verifies).
+per run (and why, where it did not pass), the tests whose outcome differs from the plain run,
+and the switched runs' checkpoints (how many directories the tests left hold a commit file, and
+that each of them verifies).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-FILES = ["test_file_system_checkpoint_cpu.py"]
+FILES = ["test_file_system_checkpoint_cpu.py", "test_format_utils.py"]
 
 # Loaded by every Python process of the switched run (PYTHONPATH): temporary directories go to
 # the mount named by the variable, and each one made is listed, for the count at the end.
@@ -56,22 +57,40 @@ if _mount:
 '''
 
 
-def run(files: list[Path], env: dict[str, str], junit: Path, timeout: float) -> tuple[dict[str, str], float, str]:
-    """pytest over ``files``: {test id: passed | failed | error | skipped}, seconds, output tail."""
+def run(files: list[Path], env: dict[str, str], junit: Path, timeout: float) -> tuple[dict[str, str], dict[str, str], float, str]:
+    """pytest over each of ``files`` in turn, each within ``timeout`` seconds (its process group
+    killed past that): ({file::class::test: passed | failed | error | skipped}, {test: why, for
+    the ones not passed}, seconds, output tail)."""
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *map(str, files)],
-        env=env, cwd=files[0].parent, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    seconds = time.monotonic() - started
     outcomes: dict[str, str] = {}
-    if junit.exists():
-        for case in ElementTree.parse(junit).iter("testcase"):
-            name = f"{case.get('classname', '').rpartition('.')[2]}::{case.get('name')}"
-            kinds = {child.tag for child in case}
-            outcomes[name] = next((kind for kind in ("failure", "error", "skipped") if kind in kinds), "passed")
-            outcomes[name] = {"failure": "failed"}.get(outcomes[name], outcomes[name])
-    return outcomes, seconds, (proc.stdout + proc.stderr)[-4000:]
+    reasons: dict[str, str] = {}
+    tails = []
+    for path in files:
+        xml = junit.with_name(f"{junit.stem}-{path.stem}.xml")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", str(path)],
+            env=env, cwd=path.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the ranks MultiProcessTestCase spawned too
+            out, _ = proc.communicate()
+            outcomes[f"{path.stem}::*"] = "timeout"
+            reasons[f"{path.stem}::*"] = f"pytest still running after {timeout:.0f} s, killed"
+        tails.append(f"== {path.name}: rc {proc.returncode}\n{out[-3000:]}")
+        if not xml.exists():
+            continue
+        for case in ElementTree.parse(xml).iter("testcase"):
+            name = f"{path.stem}::{case.get('classname', '').rpartition('.')[2]}::{case.get('name')}"
+            child = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+            tag = "passed" if child is None else child.tag
+            outcomes[name] = {"failure": "failed"}.get(tag, tag)
+            if child is not None:
+                text = child.get("message") or (child.text or "")
+                reasons[name] = " ".join(text.split())[:300]
+    return outcomes, reasons, time.monotonic() - started, "\n".join(tails)[-8000:]
 
 
 def clean_env() -> dict[str, str]:
@@ -86,7 +105,7 @@ def main() -> None:
                         help="PyTorch's test/distributed/checkpoint directory (default $SAFESTAGE_PYTORCH_TESTS)")
     parser.add_argument("--files", nargs="+", default=FILES)
     parser.add_argument("--mounts", nargs="+", default=["mountpoint", "hdfs"], help="kit modes of the switched runs")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per pytest run")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per test file and run")
     parser.add_argument("--out", default=f"{_dt.date.today().isoformat()}-dcp-peer-tests")
     args = parser.parse_args()
     if not args.tests:
@@ -108,8 +127,8 @@ def main() -> None:
     (custom / "sitecustomize.py").write_text(SITECUSTOMIZE)
     runs: dict[str, dict[str, object]] = {}
     print(f"torch {torch.__version__}; tests {args.tests}: {', '.join(args.files)}", flush=True)
-    outcomes, seconds, tail = run(files, clean_env(), work / "plain.xml", args.timeout)
-    runs["plain"] = {"outcomes": outcomes, "seconds": round(seconds, 1), "tail": tail}
+    outcomes, reasons, seconds, tail = run(files, clean_env(), work / "plain.xml", args.timeout)
+    runs["plain"] = {"outcomes": outcomes, "reasons": reasons, "seconds": round(seconds, 1), "tail": tail}
     print(f"plain: {seconds:.0f} s, {sum(v == 'passed' for v in outcomes.values())}/{len(outcomes)} passed", flush=True)
     for mode in args.mounts:
         root, log = work / f"root-{mode}", work / f"dirs-{mode}.txt"
@@ -120,12 +139,12 @@ def main() -> None:
             env = clean_env()
             env.update(SAFESTAGE_DIR=str(root), DCP_PEER_TMP_DIRS=str(tmp_dirs), DCP_PEER_TMP_LOG=str(log),
                        PYTHONPATH=os.pathsep.join([str(custom), str(REPO), env.get("PYTHONPATH", "")]))  # fmt: skip
-            outcomes, seconds, tail = run(files, env, work / f"{mode}.xml", args.timeout)
+            outcomes, reasons, seconds, tail = run(files, env, work / f"{mode}.xml", args.timeout)
             made = [Path(line) for line in log.read_text().split()] if log.exists() else []
             committed = [path for path in made if (path / safestage.COMMIT_NAME).exists()]
             complete = [path for path in committed if safestage.verify(path, deep=True).complete]
             kept = [str(path) for path in root.rglob("safestage-kept.json")]
-        runs[mode] = {"outcomes": outcomes, "seconds": round(seconds, 1), "tail": tail, "dirs_made": len(made),
+        runs[mode] = {"outcomes": outcomes, "reasons": reasons, "seconds": round(seconds, 1), "tail": tail, "dirs_made": len(made),
                       "dirs_left": sum(path.exists() for path in made), "committed": len(committed),
                       "committed_complete": len(complete), "kept_copies": kept}  # fmt: skip
         print(f"{mode}: {seconds:.0f} s, {sum(v == 'passed' for v in outcomes.values())}/{len(outcomes)} passed; "
@@ -134,7 +153,8 @@ def main() -> None:
     plain = runs["plain"]["outcomes"]
     assert isinstance(plain, dict)
     differ = {
-        mode: {name: (plain.get(name), outcome) for name, outcome in run_["outcomes"].items() if plain.get(name) != outcome}  # type: ignore[attr-defined]
+        mode: {name: (plain.get(name), run_["outcomes"].get(name)) for name in set(plain) | set(run_["outcomes"])  # type: ignore[arg-type]
+               if plain.get(name) != run_["outcomes"].get(name)}  # type: ignore[attr-defined]
         for mode, run_ in runs.items() if mode != "plain"
     }  # fmt: skip
     result = {"torch": torch.__version__, "files": args.files, "runs": runs, "differ": differ}
@@ -144,14 +164,19 @@ def main() -> None:
              f"torch {torch.__version__}; files: {', '.join(args.files)}", "",
              "| test | plain (local disk) | " + " | ".join(f"switch, temp dirs on kit {m}" for m in args.mounts) + " |",
              "|---|---|" + "---|" * len(args.mounts)]  # fmt: skip
-    for name in sorted(plain):
-        lines.append(f"| `{name}` | {plain[name]} | " + " | ".join(str(runs[m]["outcomes"].get(name)) for m in args.mounts) + " |")  # type: ignore[attr-defined]
+    names = sorted(set(plain).union(*(runs[m]["outcomes"] for m in args.mounts)))  # type: ignore[arg-type]
+    for name in names:
+        lines.append(f"| `{name}` | {plain.get(name)} | " + " | ".join(str(runs[m]["outcomes"].get(name)) for m in args.mounts) + " |")  # type: ignore[attr-defined]
     lines.append("")
     for mode in args.mounts:
         r = runs[mode]
-        lines.append(f"- {mode}: {r['seconds']} s; {r['dirs_made']} temporary directories made, {r['committed']} of "
-                     f"those left hold a commit file, {r['committed_complete']} verify complete (deep); kept copies: "
-                     f"{len(r['kept_copies'])}; differ from plain: {differ[mode] or 'none'}")  # type: ignore[arg-type]
+        lines.append(f"- {mode}: {r['seconds']} s (plain {runs['plain']['seconds']} s); {r['dirs_made']} temporary "
+                     f"directories made, {r['committed']} of those left hold a commit file, {r['committed_complete']} "
+                     f"verify complete (deep); kept copies: {len(r['kept_copies'])}; differ from plain: "
+                     f"{len(differ[mode]) or 'none'}")  # fmt: skip
+        for name, (was, now) in sorted(differ[mode].items()):
+            why = r["reasons"].get(name) or runs["plain"]["reasons"].get(name, "")  # type: ignore[attr-defined]
+            lines.append(f"  - `{name}`: plain {was}, {mode} {now}: {why}")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     shutil.rmtree(work, ignore_errors=True)
