@@ -430,6 +430,11 @@ def _stage_file(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     dest = _destination(filename)
 
     def snapshot(budget: int) -> Optional[tuple[Callable[[str], None], Held]]:
+        metadata = args[2] if len(args) > 2 else kwargs.get("metadata")
+        if metadata is not None and not (
+            isinstance(metadata, dict) and all(isinstance(v, str) for v in [*metadata, *metadata.values()])
+        ):
+            return None  # safetensors refuses it: let it say so at the call
         copied = copy_specs(args[0] if args else kwargs.get("tensor_dict"), budget)
         if copied is None:
             return None
@@ -566,6 +571,9 @@ def _torch_save_wrapper(
     serialize = functools.partial(_torch_save_into, wrapped, args, kwargs, positional)
 
     def snapshot(budget: int) -> Optional[tuple[Callable[[str], None], Held]]:
+        legacy = args[4] if len(args) > 4 else kwargs.get("_use_new_zipfile_serialization", True)
+        if legacy is False:
+            return None  # the old format pickles by identity in ways a copy does not keep
         pickle_module = args[2] if len(args) > 2 else kwargs.get("pickle_module", pickle)
         copied = copy_state(obj, budget, pickle_module)
         if copied is None:

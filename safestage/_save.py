@@ -295,10 +295,20 @@ class Deferred:
         self.jobs: list[_work.Job] = []
 
     def wait(self) -> None:
-        """Until every save has been written; the first failure raised."""
-        errors = _work.failures(self)
+        """Until every save has been written; the first failure raised, whether or not
+        somebody saw it already (``safestage.wait()`` in the block)."""
+        errors = []
+        for job in self.jobs:
+            try:
+                job.wait()
+            except BaseException as exc:
+                errors.append(exc)
         if errors:
             raise errors[0]
+
+    def settle(self) -> None:
+        """Until every save has been written or has failed (their failures are the block's)."""
+        _work.failures(self)
 
     def __repr__(self) -> str:
         return f"<safestage deferred saves: {len(self.jobs)}>"
@@ -312,8 +322,9 @@ def defer(
     snapshot: Snapshot,
 ) -> None:
     """One save into a background staged_dir's local directory: its state copied, then
-    written by the original writer on a worker; or written now when it cannot be copied."""
-    taken = snapshot(deferred.settings.snapshot_bytes())
+    written by the original writer on a worker; or written now when it cannot be copied, or
+    in a process that may not leave work behind (a forked child: its commit is its parent's)."""
+    taken = snapshot(deferred.settings.snapshot_bytes()) if _work.may_defer(deferred) else None
     if taken is None:
         write(str(dest))
         return

@@ -246,7 +246,7 @@ def _remade(spec: Any, data_ptr: int) -> Optional[Any]:
 def copy_specs(specs: Any, budget: int) -> Optional[tuple[dict[str, Any], Held]]:
     """The ``tensor_dict`` of a ``serialize_file`` call, copied (see the module docstring);
     None when it cannot be (not specs this knows, over the budget): serialize it now."""
-    if not isinstance(specs, dict) or not specs:
+    if not isinstance(specs, dict) or not specs or budget <= 0:
         return None
     values = list(specs.values())
     if all(isinstance(spec, dict) and isinstance(spec.get("data"), bytes) for spec in values):
@@ -260,7 +260,9 @@ def copy_specs(specs: Any, budget: int) -> Optional[tuple[dict[str, Any], Held]]
         return None
     import torch
 
-    offered = take_offer()  # the pinned copy of this save's CUDA tensors (to_host): theirs
+    # The pinned copy of this save's CUDA tensors (to_host): theirs. Taken only by a copy that
+    # succeeds: a save refused here writes from it before it returns (withdraw frees it then).
+    offered: Optional[Held] = getattr(_offers, "held", None)
     # Only the specs that point elsewhere (CPU tensors, whose memory is the caller's) are copied.
     copying = [name for name, spec in specs.items() if not (offered and offered.contains(spec.data_ptr, spec.data_len))]
     sources = []
@@ -268,17 +270,13 @@ def copy_specs(specs: Any, budget: int) -> Optional[tuple[dict[str, Any], Held]]
         spec = specs[name]
         size = int(spec.data_len)
         if size and not spec.data_ptr:
-            _refuse(offered)
             return None
         raw = (ctypes.c_ubyte * size).from_address(spec.data_ptr) if size else bytearray()
         sources.append(torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8))
     copied = _copy(sources, budget) if sources else ([], Held(0, None, None))
     if copied is None:
-        _refuse(offered)
         return None
     copies, held = copied
-    if offered is not None:
-        held.also.append(offered)
     result = dict(specs)
     for name, copy in zip(copying, copies):
         new = _remade(specs[name], copy.data_ptr() if copy.numel() else 0)
@@ -286,13 +284,9 @@ def copy_specs(specs: Any, budget: int) -> Optional[tuple[dict[str, Any], Held]]
             held.release()
             return None
         result[name] = new
-    return result, held
-
-
-def _refuse(offered: Optional[Held]) -> None:
     if offered is not None:
-        offered.release()
-    return None
+        held.also.append(take_offer() or offered)
+    return result, held
 
 
 # -- CUDA tensors: into pinned memory before safetensors copies them one by one ----------------
@@ -313,8 +307,11 @@ def to_host(tensors: dict[str, Any], budget: int) -> Optional[tuple[dict[str, An
     names = [name for name, tensor in tensors.items()
              if isinstance(tensor, torch.Tensor) and tensor.device.type in HOST_DEVICES
              and tensor.is_contiguous() and tensor.layout == torch.strided]  # fmt: skip
-    if not names or len({tensors[name].device for name in names}) != 1:
+    if not names or len({tensors[name].device for name in names}) != 1 or budget <= 0:
         return None
+    storages = [tensors[name].untyped_storage().data_ptr() for name in names]
+    if len(set(storages)) != len(storages):
+        return None  # tensors sharing memory: safetensors refuses them, and must see them so
     copied = _copy([_bytes_of(tensors[name]) for name in names], budget)
     if copied is None:
         return None
@@ -353,44 +350,51 @@ def withdraw() -> None:
 
 def copy_state(obj: Any, budget: int, pickle_module: Any = pickle) -> Optional[tuple[Any, Held]]:
     """The object of a ``torch.save``, copied (see the module docstring); None when it cannot
-    be: another pickle module, storages on devices other than the CPU or CUDA (or both), over
-    the budget. An object that cannot be pickled raises here, as torch.save raises."""
-    if pickle_module is not pickle:
+    be: another pickle module, storages on CUDA (or any device but the CPU), over the budget
+    (0: never). What torch.save refuses while pickling (an object that cannot be pickled, one
+    storage viewed as two dtypes) raises here, at the call, as it would."""
+    if pickle_module is not pickle or budget <= 0:
         return None
     import torch
 
     storages: list[Any] = []
+    dtypes: dict[int, Any] = {}
     seen: dict[int, int] = {}
 
     def persistent_id(thing: Any) -> Optional[str]:
         if isinstance(thing, torch.storage.TypedStorage):
             untyped, dtype = thing._untyped_storage, thing.dtype
         elif isinstance(thing, torch.UntypedStorage):
-            untyped, dtype = thing, None
+            untyped, dtype = thing, torch.uint8
         else:
             return None
         key = untyped._cdata
         if key not in seen:
-            seen[key] = len(storages)
+            seen[key], dtypes[key] = len(storages), dtype
             storages.append(untyped)
-        return f"{seen[key]}:{'' if dtype is None else str(dtype)}"
+        elif untyped.data_ptr() != 0 and dtypes[key] != dtype:
+            raise RuntimeError(  # torch.save's own words (torch/serialization.py)
+                "Cannot save multiple tensors or storages that view the same data as different types"
+            )
+        return f"{seen[key]}:{str(dtype)}"
 
     pickled = io.BytesIO()
     pickler = pickle.Pickler(pickled, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.persistent_id = persistent_id  # type: ignore[method-assign]
     pickler.dump(obj)
-    if not storages:
-        return _unpickle(pickled, []), Held(0, None, None)
-    devices = {storage.device.type for storage in storages}
-    if not devices <= {"cpu"} and not devices <= {"cuda"}:
-        return None
-    if devices == {"cuda"}:
+    if any(storage.device.type != "cpu" for storage in storages):
         return None  # torch.save records each storage's device: a host copy would change it
+    # What the pickle holds by value (numpy arrays, bytes, lists) counts against the budget too.
+    objects = Held(pickled.tell(), None, None)
+    if not _reserve(objects.nbytes, budget):
+        return None
     sources = [torch.empty(0, dtype=torch.uint8).set_(storage) for storage in storages]
-    copied = _copy(sources, budget)
+    copied = _copy(sources, budget) if sources else ([], Held(0, None, None))
     if copied is None:
+        objects.release()
         return None
     copies, held = copied
+    held.also.append(objects)
     try:
         return _unpickle(pickled, copies), held
     except BaseException:
@@ -407,11 +411,10 @@ def _unpickle(pickled: io.BytesIO, copies: list[Any]) -> Any:
         index, _, dtype = pid.partition(":")
         if int(index) not in loaded:
             loaded[int(index)] = _own_storage(copies[int(index)])
-        storage = loaded[int(index)]
-        if not dtype:
-            return storage
+        # Typed, as torch.load hands every storage back (_rebuild_tensor_v3 of float8, uint16
+        # takes the typed one; a tensor pickles its own storage again either way).
         return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-            wrap_storage=storage, dtype=getattr(torch, dtype.split(".")[-1]), _internal=True
+            wrap_storage=loaded[int(index)], dtype=getattr(torch, dtype.split(".")[-1]), _internal=True
         )
 
     pickled.seek(0)

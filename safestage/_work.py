@@ -442,6 +442,13 @@ def _complete_at_exit() -> None:
         return
     except BaseException:
         return
+    if not errors:
+        # A worker goes on a moment after its job has finished (its frames, a copy's storages,
+        # are freed): the interpreter must not tear torch down under it (std::terminate,
+        # status 134).
+        with contextlib.suppress(BaseException):
+            end_threads()
+        return
     if errors:
         _exit_loudly(
             [

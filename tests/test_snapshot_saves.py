@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from _support import PY, listing, mode_of
 from safetensors.torch import load_file, save_file
 
 import safestage
 from safestage import _snapshot
-
-from _support import PY, listing, mode_of
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:

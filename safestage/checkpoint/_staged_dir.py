@@ -105,6 +105,7 @@ class StagedDir:
         local = _sequence.enter(self._commit, self._peers)
         if self._background and self._group is None and _work.may_defer(self):
             self._deferred = Deferred(self.settings)
+            _work.adopt(self._deferred)  # this process's: a forked child writes before returning
         _patch.add_unstaged_dir(local, self._deferred)
         return local
 
@@ -123,7 +124,7 @@ class StagedDir:
         deferred = self._deferred
         if exc is not None:  # nothing is published; the block's exception propagates
             if deferred is not None:
-                _work.failures(deferred)  # written (or failed) before the directory goes
+                deferred.settle()  # written (or failed) before the directory goes
             _sequence.check(commit, peers, exc)
             return
         with _work.running("commit", commit.dest, self) as job:
@@ -131,8 +132,9 @@ class StagedDir:
             if deferred is not None and deferred.jobs:
                 # Saves of the block still serializing from their copies: the checks wait for
                 # them, on the worker.
-                _work.hand_off(job, functools.partial(self._land_later, deferred), limit=self._background,
-                               kept=commit.local, not_started=functools.partial(self._keep_later, deferred))  # fmt: skip
+                # Not kept (complete) until they are: _land_later says so then.
+                _work.hand_off(job, functools.partial(self._land_later, deferred, job), limit=self._background,
+                               not_started=functools.partial(self._keep_later, deferred))  # fmt: skip
                 return
             checked = _sequence.check(commit, peers, None)
             assert checked is not None
@@ -153,7 +155,7 @@ class StagedDir:
                     commit.keep(interrupted, tree=checked[0])
                 raise
 
-    def _land_later(self, deferred: Deferred) -> Manifest:
+    def _land_later(self, deferred: Deferred, job: _work.Job) -> Manifest:
         """A background commit whose block's saves were deferred: once they are written, steps
         2 to 7 on the worker. A save that failed fails the commit as a block that raised."""
         commit, peers = self._commit, self._peers
@@ -161,8 +163,10 @@ class StagedDir:
         try:
             deferred.wait()
         except BaseException as failed:
+            deferred.settle()  # every other save of the block too, before its copy goes
             _sequence.check(commit, peers, failed)  # nothing published; the copy removed
             raise
+        job.kept = commit.local  # complete from now on: named if exit is cut short
         manifest = _sequence.run(commit, peers)
         assert manifest is not None
         return manifest
@@ -170,10 +174,13 @@ class StagedDir:
     def _keep_later(self, deferred: Deferred, interrupted: BaseException) -> None:
         """Interrupted while waiting for a commit slot: the copy is kept once its saves are
         written, as a complete block's copy is (removed if one of them failed)."""
-        if _work.failures(deferred):
+        try:
+            deferred.wait()
+        except Exception:
+            deferred.settle()
             self._commit.discard()
-        else:
-            self._commit.keep(interrupted)
+            return
+        self._commit.keep(interrupted)
 
     def __repr__(self) -> str:
         return (
