@@ -376,7 +376,7 @@ def copy_state(obj: Any, budget: int, pickle_module: Any = pickle) -> Optional[t
             raise RuntimeError(  # torch.save's own words (torch/serialization.py)
                 "Cannot save multiple tensors or storages that view the same data as different types"
             )
-        return f"{seen[key]}:{str(dtype)}"
+        return f"{seen[key]}:{dtype!s}"
 
     pickled = io.BytesIO()
     pickler = pickle.Pickler(pickled, protocol=pickle.HIGHEST_PROTOCOL)
