@@ -227,7 +227,14 @@ def _serialize_later(
     needs: Optional[int],
 ) -> None:
     """A background save whose state is copied (``held``): serialized from the copy and
-    published on a worker; the copy is released once the local file is written (or not)."""
+    published on a worker; the copy is released once the local file is written (or not).
+    Its private directory is made here, so that a staging root that is gone (a tmp cleaner)
+    is said at the call, as for a save that serializes now."""
+    try:
+        private = root.new_save_dir()
+    except BaseException:
+        held.release()
+        raise
 
     def work() -> PublishRecord:
         try:
@@ -240,8 +247,9 @@ def _serialize_later(
                         root.check_room(needs, dest)
                     except StagingError:
                         if not _work.settle_copies(job.owner, but=job):
+                            private.remove()
                             raise
-                    copy = write_local(write, dest, root, needs=needs)
+                    copy = write_local(write, dest, root, needs=needs, private=private)
             finally:
                 held.release()
             job.kept = copy.path  # named if exit is cut short while it publishes
@@ -252,8 +260,11 @@ def _serialize_later(
         record(published)
         return published
 
-    # Interrupted while waiting for a slot: nothing was written; the save raises.
-    _work.hand_off(job, work, limit=settings.background, not_started=lambda exc: held.release())
+    def not_started(exc: BaseException) -> None:  # nothing was written; the save raises
+        held.release()
+        private.remove()
+
+    _work.hand_off(job, work, limit=settings.background, not_started=not_started)
 
 
 _writing: dict[Path, threading.Lock] = {}

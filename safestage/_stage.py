@@ -336,7 +336,12 @@ def _write_checked(write: Callable[[str], None], staged: Path, dest: Path) -> No
 
 
 def write_local(
-    write: Callable[[str], None], dest: Path, staging: StagingRoot, *, needs: Optional[int] = None
+    write: Callable[[str], None],
+    dest: Path,
+    staging: StagingRoot,
+    *,
+    needs: Optional[int] = None,
+    private: Optional[SaveDir] = None,
 ) -> LocalCopy:
     """Run ``write(local_path)`` into a fresh private directory; clean up if it fails.
 
@@ -346,7 +351,7 @@ def write_local(
     """
     started = time.perf_counter()
     staging.check_room(needs, dest)
-    private = staging.new_save_dir()
+    private = staging.new_save_dir() if private is None else private  # made by the caller
     staged = private / local_name(dest.name)
     try:
         _write_checked(write, staged, dest)

@@ -212,7 +212,9 @@ def test_staging_root_deleted_after_serialization(tmp_path, second):
                 time.sleep(0.002)
 
         deleter = threading.Thread(target=delete_once_both_are_staged)
-        with pytest.raises(OSError) as info, safestage.staged(root, background=1):
+        # snapshot_budget=0: each save is staged before it waits for its slot (with copies it
+        # waits holding a copy, not a staged file: test_staging_root_deleted_between_two_saves).
+        with pytest.raises(OSError) as info, safestage.staged(root, background=1, snapshot_budget=0):
             save_file(BIG, str(first))  # 2.7 MiB at 10 MB/s: ~0.3 s publishing
             deleter.start()
             save_file(SMALL, str(dest))  # staged, then blocked until the first is out
