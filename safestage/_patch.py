@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import inspect
 import logging
 import os
 import pickle
@@ -219,7 +220,11 @@ def _lookup(module: Any, attribute: str) -> Any:
     """``module.attribute``, where ``attribute`` may be ``Class.method``; None if missing."""
     owner = module
     for name in attribute.split("."):
-        owner = getattr(owner, name, None)
+        # A method is read from the class's own namespace (its MRO), never through getattr:
+        # getattr binds a wrapper (descriptor) to the class and returns another object, so an
+        # installed wrapper would not be recognized, a second one would be stacked on each
+        # activation, and close would restore nothing.
+        owner = inspect.getattr_static(owner, name, None) if isinstance(owner, type) else getattr(owner, name, None)
     return owner
 
 

@@ -325,3 +325,35 @@ def test_used_stage_cannot_be_reentered(tmp_path):
         pass
     with pytest.raises(RuntimeError, match="already used"), stage:
         pass
+
+
+def test_closing_restores_every_hook_point_including_lightning_strategy_methods(tmp_path, shm_root, tensors):
+    """Lightning's strategies' ``save_checkpoint`` (hooked for sharded checkpoints) is a method:
+    reading it through the class must not stand in for the function in the class's own
+    ``__dict__``, or each activation wraps the last one's wrapper and close restores nothing
+    (every save then ran through a growing chain of stale wrappers)."""
+    import inspect
+    import sys
+
+    import lightning.fabric.strategies.fsdp  # noqa: F401 - the hook points must be loaded
+    import lightning.pytorch.strategies.fsdp  # noqa: F401
+
+    def hook_points() -> dict[str, object]:
+        points = {}
+        for target in _patch.TARGETS:
+            module = sys.modules.get(target.module)
+            if module is None:
+                continue
+            owner_name, _, name = target.attribute.rpartition(".")
+            owner = getattr(module, owner_name) if owner_name else module
+            points[f"{target.module}.{target.attribute}"] = inspect.getattr_static(owner, name)
+        return points
+
+    before = hook_points()
+    assert any("FSDPStrategy.save_checkpoint" in point for point in before)
+    for round in range(3):
+        with safestage.staged(shm_root):
+            save_file(tensors, str(tmp_path / f"{round}.safetensors"))
+        after = hook_points()
+        changed = [point for point in before if after[point] is not before[point]]
+        assert changed == [], f"round {round}: not restored: {changed}"
