@@ -74,8 +74,8 @@ def test_a_rank_killed_at_any_moment_of_a_checkpoint_never_leaves_a_wrong_latest
     wrong: list[str] = []
     trial = 0
     # `trials` jobs, then (kills that came between checkpoints test nothing here) up to as many
-    # again, aimed earlier in a checkpoint, until half the asked-for kills came during one.
-    while trial < trials or (fired < trials // 2 and trial < 2 * trials):
+    # again, aimed earlier in a checkpoint, until half the asked-for kills came during one and a job resumed.
+    while trial < trials or ((fired < trials // 2 or (trials > 1 and not resumed)) and trial < 2 * trials):
         mode = MODES[(trial // 2) % len(MODES)]  # two jobs in a row per mount: the second resumes
         run_dir = Path(mounts[mode].path) / f"run-{tmp_path.name}-{chains.setdefault(mode, 0)}"
         run_dir.mkdir(exist_ok=True)
@@ -84,7 +84,10 @@ def test_a_rank_killed_at_any_moment_of_a_checkpoint_never_leaves_a_wrong_latest
         remaining = (TOTAL - done) // EVERY
         # A run's first job is killed from its second checkpoint on, so the next job has one to resume.
         first = 1 if latest is None and remaining > 1 else 0
-        kill = {"rank": rng.randrange(RANKS), "checkpoint": rng.randrange(first, remaining),
+        # A run's first job is killed before its last checkpoint: a kill timed after the last one
+        # can come after the job has ended, and then there is nothing to resume.
+        last = remaining - 1 if latest is None and remaining > 2 else remaining
+        kill = {"rank": rng.randrange(RANKS), "checkpoint": rng.randrange(first, last),
                 "delay": rng.uniform(0.0, 0.6 if trial < trials else 0.15)}
         job = launch(WORKER, [str(run_dir), str(reference), str(TOTAL), str(EVERY)], roots=roots,
                      result_dir=tmp_path / f"results-{trial}", timeout=JOB_TIMEOUT,
