@@ -261,7 +261,19 @@ def _wrapper_class() -> type:
     if _WRAPPER_CLASS is None:
         import wrapt
 
+        class _BoundWrapper(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
+            # A hooked method read through an instance or its class (Lightning's strategies'
+            # save_checkpoint): pickled as plain Python pickles it, the bound method as the
+            # instance's attribute, the function as the class's.
+            def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, str]]:
+                home = self._self_parent._self_home
+                if self._self_instance is None:
+                    return (resolve_global, home)
+                return (getattr, (self._self_instance, home[1].rpartition(".")[2]))
+
         class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
+            __bound_function_wrapper__ = _BoundWrapper
+
             def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[str, str]]:
                 return (resolve_global, self._self_home)
 

@@ -357,3 +357,21 @@ def test_closing_restores_every_hook_point_including_lightning_strategy_methods(
         after = hook_points()
         changed = [point for point in before if after[point] is not before[point]]
         assert changed == [], f"round {round}: not restored: {changed}"
+
+
+def test_a_hooked_strategy_method_pickles_as_it_does_unhooked(shm_root):
+    """With staging on (the switch: the whole process), Lightning's strategies'
+    ``save_checkpoint`` read through an instance or its class pickles as plain Python pickles
+    it: the bound method as the instance's attribute, the function as the class's."""
+    import pickle
+
+    from lightning.fabric.strategies import FSDPStrategy
+
+    strategy = FSDPStrategy(state_dict_type="sharded")
+    with safestage.staged(shm_root):
+        bound = pickle.loads(pickle.dumps(strategy.save_checkpoint))
+        function = pickle.loads(pickle.dumps(FSDPStrategy.save_checkpoint))
+        assert bound.__self__ is not strategy and type(bound.__self__) is FSDPStrategy
+        assert bound.__name__ == "save_checkpoint"
+        assert function is FSDPStrategy.__dict__["save_checkpoint"]  # the wrapper, while staging
+    assert pickle.loads(pickle.dumps(FSDPStrategy.save_checkpoint)) is FSDPStrategy.save_checkpoint
