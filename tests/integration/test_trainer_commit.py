@@ -354,23 +354,28 @@ def test_a_checkpoint_the_rotation_deleted_while_publishing_is_a_warning_and_the
 
 def _publish_then_remove(checkpoint: Path, file: str, removed: Path) -> None:
     """A background save of ``checkpoint/file`` whose publish is pending (slow mount) when
-    ``removed`` is deleted, as the Trainer's rotation does (rmtree, ignore_errors)."""
+    ``removed`` is deleted, as the Trainer's rotation does (here moved aside first: see below)."""
     from safetensors.torch import save_file
 
     from safestage._names import parse_temp_name
 
     target = checkpoint / file
     save_file({"w": torch.zeros(250_000)}, str(target))  # 1 MB: 2 s to publish
-    # Remove it once the publish is writing its temp there: from then on nothing new appears
-    # in the directory, so the rmtree cannot lose a race with the publish's create.
+    # Remove it once the publish is writing its temp there (after the rename probe of `auto`).
     deadline = time.monotonic() + 30
     while not any(
         parse_temp_name(name) and name.startswith(f".{target.name}.") for name in os.listdir(target.parent)
     ):  # its own temp, not the rename probe `auto` makes first
         assert time.monotonic() < deadline, "the background publish never started writing"
         time.sleep(0.01)
-    shutil.rmtree(removed, ignore_errors=True)
-    assert not removed.exists(), f"the rotation's rmtree left {removed}"
+    # Moved aside at once, then removed: an rmtree in place can lose a race with the publish,
+    # which, finding its temp gone while the directory is still there, writes a fresh one (what
+    # a concurrent `safestage clean` needs); the rmtree's rmdir then fails and the directory
+    # stays, holding the file once it lands (uncommitted: retention removes it later).
+    aside = removed.with_name(f"{removed.name}.removed")
+    os.rename(removed, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+    assert not removed.exists() and not aside.exists(), f"the rotation left {removed}"
 
 
 @pytest.mark.mounts
