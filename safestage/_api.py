@@ -179,8 +179,11 @@ def staged(
     ``root`` is a local directory to serialize into (default: SAFESTAGE_DIR, else
     $TMPDIR/safestage-<uid>). ``publish`` is "auto", "replace" or "direct"; ``fsync``
     flushes each published file to stable storage. ``background=True`` returns from each
-    save once it is staged and publishes on worker threads, at most 2 files at once
-    (``background=N``: at most N); the block's end waits for them. ``skip_local_disk=True``
+    save once a copy of its state is taken (its tensors copied into host buffers, within
+    ``snapshot_budget``: bytes, "8GiB" or "25%" of memory; 0: no copies, the save is
+    serialized before it returns), then serializes and publishes on safestage's threads, at
+    most 2 saves landing at once (``background=N``: at most N); the block's end waits for
+    them and raises the first failure. ``skip_local_disk=True``
     writes destinations on local disk with the original writer (no staging) and stages the
     rest. ``torch_save=True`` also stages ``torch.save(obj, path)`` (file objects pass
     through); it patches ``torch.save`` while the block runs. A synchronous ``replace`` save

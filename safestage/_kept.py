@@ -546,9 +546,13 @@ def _advice(root: Path, found: Found) -> str:
         return (f"possibly the only complete copy of a save ({what}) whose publish did not "
                 f"finish, with no record of where it was going: copy it to where it belongs, "
                 f"then `safestage recover --discard {found.path}`")  # fmt: skip
-    return (f"the only complete copy of {what}: `safestage recover {root} --dest "
-            f"{found.record.destination}` finishes it (or says why not); `safestage recover "
-            f"--discard {found.local}` deletes it")  # fmt: skip
+    return (f"the only complete copy of {what}: {recover_command(root, found.record.destination)} "
+            f"finishes it (or says why not); `safestage recover --discard {found.local}` deletes it")  # fmt: skip
+
+
+def recover_command(root: Path, destination: Path) -> str:
+    """The command that finishes the kept copies in ``root`` meant for ``destination``."""
+    return f"`safestage recover {root} --dest {destination}`"
 
 
 def claims(roots: list[Path]) -> dict[Path, str]:

@@ -928,10 +928,11 @@ def _publish_error(
 
 
 def kept_copy_text(kept: Optional[Path]) -> str:
-    """The sentence of a PublishError that says where the complete staged copy is."""
+    """The sentence of a PublishError that says where the complete staged copy is (what can be
+    done with it is said where its record is written: _stage.keep_unpublished)."""
     if kept is None:
         return "No staged copy could be kept."
-    return f"The complete staged copy is kept at {kept}: copy it there yourself or save again."
+    return f"The complete staged copy is kept at {kept}."
 
 
 def after_fork_in_child() -> None:

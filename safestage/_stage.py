@@ -23,7 +23,7 @@ from ._config import Settings
 from ._errors import PublishError, StagingError
 from ._follow import FOLLOW_MIN_BYTES, Follower, FollowMismatch, WriterFailed
 from ._interrupts import deferred
-from ._kept import Record, SaveDir, remove_tree, sweep
+from ._kept import Record, SaveDir, recover_command, remove_tree, sweep
 from ._lifecycle import start_worker
 from ._locks import Contended, claim, close_quietly, open_directory
 from ._mounts import mount_of
@@ -454,8 +454,9 @@ def write_following(
     if isinstance(result, PublishError) and _destination_failed(result):
         # The destination itself failed (EIO at close, ENOSPC, ...): the same failure as an
         # ordinary publish would meet, not a reason to copy everything again.
-        keep_unpublished(item, result)
-        raise _naming_the_kept_copy(result, item)
+        named = _naming_the_kept_copy(result, item)
+        keep_unpublished(item, named)
+        raise named
     if not isinstance(result, Published):
         log.warning(
             "%s: the copy made while serializing could not be used (%s: %s); publishing the "
@@ -569,15 +570,24 @@ def keep_unpublished(item: LocalCopy, exc: BaseException) -> None:
             destination=item.dest, local=item.path.name, kind="file", left=(item.path.name,),
             started=item.wall_started, error=str(exc),
         ))  # fmt: skip
+        if isinstance(exc, PublishError) and exc.staged_path == str(item.path):
+            exc.message = f"{exc.message} {_publishes_it(item)}"
     item.save_dir.release()
     if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
         _note_kept_copy(exc, item)
 
 
+def _publishes_it(item: LocalCopy) -> str:
+    """What to do with a kept single file: its record names its destination, so recover
+    publishes it as a save does (a temp file and replace, or direct), with its checks."""
+    command = recover_command(item.save_dir.path.parent, item.dest)
+    return f"{command} publishes it once this process has ended (or save again)."
+
+
 def _note_kept_copy(exc: BaseException, item: LocalCopy) -> None:
     text = (
         f"safestage: interrupted while publishing {item.dest}; the complete staged copy is "
-        f"kept at {item.path}"
+        f"kept at {item.path}: {_publishes_it(item)}"
     )
     log.warning("%s", text)
     if hasattr(exc, "add_note"):  # Python 3.11+: shown under the traceback

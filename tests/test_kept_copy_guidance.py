@@ -193,3 +193,50 @@ def test_recover_dest_acts_only_on_the_copies_for_that_destination_or_under_it(
 
     assert exact.returncode == 0 and exact.stdout.startswith(f"committed  {theirs.local}"), exact.stdout + exact.stderr
     assert safestage.verify(small_tmpfs / "run-b" / "checkpoint-1", deep=True).complete
+
+
+# -- a failed single-file publish points to recover ------------------------------------------------
+
+# A training script's background save_file onto a 2 MiB tmpfs: the publish fails with a real
+# ENOSPC on safestage's thread; the block's end raises it. Prints the error's message.
+_BACKGROUND_SAVE = """\
+import sys
+import torch
+from safetensors.torch import save_file
+import safestage
+dest, root = sys.argv[1], sys.argv[2]
+try:
+    with safestage.staged(root, background=True):
+        save_file({"weight": torch.ones(768 * 1024)}, dest)  # 3 MiB
+except safestage.PublishError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.regression("issue 30 item 14: a failed single-file background publish said to copy the kept copy "
+                        "there by hand")
+def test_a_failed_background_save_file_gives_the_recover_command_that_publishes_its_copy(
+    small_tmpfs: Path, tmp_path: Path, stage_root: Path
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    dest = small_tmpfs / "model.safetensors"
+    script = tmp_path / "train.py"
+    script.write_text(_BACKGROUND_SAVE)
+    run = subprocess.run([sys.executable, str(script), str(dest), str(stage_root)], env=user_env(tmp_path),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    message = run.stdout
+    assert "No space left on device" in message, run.stdout + run.stderr  # the fault fired
+    assert "copy it there yourself" not in message and "by hand" not in message, message
+    command = re.search(r"`(safestage recover [^`]*)`", message)
+    assert command is not None, message
+    assert command[1] == f"safestage recover {stage_root} --dest {dest}", command[1]
+
+    remount(small_tmpfs, "16m")
+    result = cli(*command[1].split()[1:], env=user_env(tmp_path))
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert os.listdir(small_tmpfs) == ["model.safetensors"]
+    assert torch.equal(load_file(str(dest))["weight"], torch.ones(768 * 1024))
+    assert os.listdir(stage_root) == [], "recover left the copy"

@@ -165,13 +165,13 @@ def test_readme_staged_dir_then_latest_complete_finds_the_newest(kit_mounts, tmp
 
 # -- the Trainer snippet: the prose around it says what a train.py adds -------------------------------
 
-# What the README's prose leaves to the user's train.py: the Trainer's imports, a model, its
-# TrainingArguments (output_dir on the mount) and a dataset. Nothing of safestage: the snippet
-# must bring what it uses.
+# What the README's prose leaves to the user's train.py: a model, its TrainingArguments
+# (output_dir on the mount) and a dataset. Nothing the snippet uses (safestage, Trainer): the
+# snippet must bring it, as pasted.
 _TRAINER_PRELUDE = '''\
 import torch
 import transformers
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -207,6 +207,7 @@ def trainer_snippet() -> str:
 
 @pytest.mark.slow
 @pytest.mark.regression("issue 24: the README's Trainer snippet raised NameError: name 'safestage' is not defined")
+@pytest.mark.regression("issue 30 item 14: the README's Trainer snippet raised NameError: name 'Trainer' is not defined")
 def test_readme_trainer_snippet_commits_each_checkpoint_on_the_mount(kit_mounts, tmp_path):
     import safestage
 
