@@ -16,12 +16,12 @@ touched when staging is first activated.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from . import _lifecycle  # noqa: F401 - the at-fork resets, registered once
 from ._api import Stage, activate, is_active, staged, staged_file, wait
 from ._errors import ConfigError, PublishError, SafestageError, StagingError
+from ._loud import install as _install_last_resort
 from ._stage import PublishRecord
 
 if TYPE_CHECKING:
@@ -97,4 +97,6 @@ __all__ = [
     "wait",
 ]
 
-logging.getLogger("safestage").addHandler(logging.NullHandler())
+# Not a NullHandler: that would silence Python's last resort, and a script that activates in
+# code and configures no logging would hear no WARNING at all (_loud.LastResort).
+_install_last_resort()

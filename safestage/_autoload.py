@@ -19,6 +19,7 @@ import threading
 from collections.abc import Mapping
 from typing import Optional
 
+from . import _loud
 from ._api import Stage
 from ._config import (
     ENV_DIR,
@@ -37,18 +38,6 @@ _stage: Optional[Stage] = None
 _started = False
 
 
-_PRINTED = "safestage_printed"  # a record whose line _not_staged already wrote on stderr
-
-
-class _StderrUnlessConfigured(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to stderr only while the program has not configured logging itself, so
-    warnings from the start-up hook are seen but never printed twice."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if not logging.getLogger().handlers and not getattr(record, _PRINTED, False):
-            super().emit(record)
-
-
 def _not_staged(message: str) -> None:
     """Staging stays off in this process: one line on stderr, the same as a log record."""
     text = f"{message}; safetensors saves in this process are not staged".replace("\n", " ")
@@ -57,14 +46,12 @@ def _not_staged(message: str) -> None:
         sys.stderr.flush()
     except (AttributeError, OSError, ValueError):  # no stderr (pythonw), or closed
         pass
-    log.warning("%s", text, extra={_PRINTED: True})
+    log.warning("%s", text, extra={_loud.PRINTED: True})
 
 
 def _configure_logging(environ: Mapping[str, str]) -> None:
-    if not any(isinstance(h, _StderrUnlessConfigured) for h in log.handlers):
-        handler = _StderrUnlessConfigured(sys.stderr)
-        handler.setFormatter(logging.Formatter("safestage: %(levelname)s: %(message)s"))
-        log.addHandler(handler)
+    """SAFESTAGE_LOG_LEVEL: the level of the "safestage" logger, and of what its last-resort
+    handler writes on stderr while the program has configured no logging itself."""
     level_text = env_value(environ, ENV_LOG_LEVEL)
     if level_text is None:
         return
@@ -72,6 +59,7 @@ def _configure_logging(environ: Mapping[str, str]) -> None:
     level = int(level_text) if numeric else logging.getLevelName(level_text.upper())
     if isinstance(level, int):
         log.setLevel(level)
+        _loud.install().setLevel(min(level, logging.WARNING))
     else:
         log.warning(
             "%s=%r is not a logging level (DEBUG, INFO, WARNING, ERROR); keeping WARNING",

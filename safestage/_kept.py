@@ -525,7 +525,8 @@ def sweep(root: Path, *, dry_run: bool = False, warn_kept: bool = False) -> list
                        else Swept(found, "removed", why))  # fmt: skip
     if kept and warn_kept and root not in _warned:
         _warned.add(root)
-        _loud.warning(
+        _say_kept(
+            root,
             f"{len(kept)} kept cop{'y' if len(kept) == 1 else 'ies'} in the staging root {root}, "
             "the only complete copy of a save that did not land: "
             + "; ".join(f"{found.local} ({found.describe()})" for found in kept[:3])
@@ -538,6 +539,37 @@ def sweep(root: Path, *, dry_run: bool = False, warn_kept: bool = False) -> list
 
 
 _warned: set[Path] = set()  # roots whose kept copies this process has named on stderr
+
+
+def _say_kept(root: Path, message: str) -> None:
+    """Name the kept copies of ``root`` once per node and job, not once per rank (every rank
+    of a node shares its root, and sweeps it at activation). A worker torchrun started
+    (TORCHELASTIC_RUN_ID, as torch.distributed.is_torchelastic_launched() reads it) whose
+    environment activates staging on this root says nothing: its launcher, a Python process
+    with the same environment, activated on it at start-up and named them before starting
+    it. Else local rank 0 of the node names them; another rank logs them at INFO."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None and _environment_root() == root:
+        log.info("%s (named by torchrun's launcher at its start-up)", message)
+    elif _loud.speaks_for_node():
+        _loud.warning(message)
+    else:
+        log.info("%s (named by local rank 0)", message)
+
+
+def _environment_root() -> Optional[Path]:
+    """The staging root the environment activates on (what the start-up hook of any Python
+    process with this environment checked and swept), or None."""
+    from ._autoload import switched_on  # the start-up hook's own rule
+    from ._config import resolve
+    from ._paths import real_directory
+
+    try:
+        if not switched_on(os.environ):
+            return None
+        root = resolve(environ=os.environ).staging_root()
+    except Exception:  # a bad variable: no launcher activated on it either
+        return None
+    return real_directory(root) or root  # as StagingRoot names it
 
 
 def _advice(root: Path, found: Found) -> str:

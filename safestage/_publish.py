@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol, Union
 
+from . import _loud
 from ._errors import PublishError
 from ._follow import Follower, Reader
 from ._fork_fds import closed_in_children
@@ -535,7 +536,9 @@ def _can_rename(directory: Path, device: int) -> Optional[bool]:
                 log.debug("rename probe in %s failed: %s", directory, exc)
                 return None
             if capabilities.remember(key, "direct"):
-                log.warning(
+                # Each rank of a node probes its mounts: local rank 0 says it (_loud).
+                log.log(
+                    _loud.level(_loud.speaks_for_node()),
                     "the filesystem of %s cannot rename files (a probe's rename answered %s); "
                     "publishing to it with publish='direct' from now on (set "
                     "SAFESTAGE_PUBLISH=direct to skip the probe)",

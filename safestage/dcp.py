@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _config, _patch, _work
+from . import _config, _loud, _patch, _work
 from ._config import PathArg, Publish, Settings
 from ._errors import PublishError
 from ._kept import Part
@@ -634,4 +634,4 @@ def _warn_once(key: str, message: str) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    log.warning("%s", message)
+    log.log(_loud.level(_loud.speaks_for_job()), "%s", message)  # every rank saves: rank 0 says it

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _kept_copies import failed_commit, remount
 
 import safestage
 from safestage import PublishError
@@ -117,10 +118,12 @@ def test_a_child_forked_during_a_background_commit_does_not_keep_recover_from_fi
 
 
 @pytest.fixture(scope="module")
-def group_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def group_job(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
     """One launch of four ranks on two nodes for every collective finding (a launch costs
     20-70 s): the cases run in order, each rank reporting after each case, and the last one
-    SIGKILLs rank 0 (so the job itself fails: each case is judged by every rank's report)."""
+    SIGKILLs rank 0 (so the job itself fails: each case is judged by every rank's report).
+    Node 0's staging root holds a copy an earlier job kept (a commit that failed with a real
+    ENOSPC on a 2 MiB tmpfs, since grown so that recover can commit it)."""
     base = tmp_path_factory.mktemp("breaker-group")
     local = base / "local"
     local.mkdir()
@@ -139,11 +142,17 @@ def group_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     roots = (base / "node0", base / "node1")
     for root in roots:
         root.mkdir()
+    tiny = base / "tiny"
+    tiny.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(tiny)], check=True)
+    request.addfinalizer(lambda: subprocess.run(["umount", "-l", str(tiny)], check=False))
+    kept = failed_commit(tiny / "checkpoint-1", roots[0], base)
+    remount(tiny, "16m")
     ran = launch(WORKER, [str(plan)], roots=roots, result_dir=base / "results", timeout=240,
                  env={"SAFESTAGE_BREAK_KILL": json.dumps({"case": "kill", "rank": 0, "at": "commit-file-written"})})  # fmt: skip
     assert not ran.timed_out, ran.output()
     assert "breaker: rank 0 SIGKILLs itself at commit-file-written" in ran.output(), ran.output()
-    return {"job": ran, "local": local, "run": run, "roots": roots}
+    return {"job": ran, "local": local, "run": run, "roots": roots, "kept": kept}
 
 
 def _case(group_job: dict[str, Any], name: str) -> list[dict[str, Any]]:
@@ -177,3 +186,17 @@ def test_a_rank_killed_after_the_commit_file_landed_leaves_no_copy_that_recover_
     assert safestage.verify(run / "checkpoint-2", deep=True).complete  # holds: the commit landed
     recovered = safestage.recover(roots[0])
     assert all(result.action != "refused" for result in recovered), recovered
+
+
+@pytest.mark.slow
+@pytest.mark.regression("issue 30 item 15: a 2-rank job printed the ~600-character kept-copy warning three "
+                        "times (torchrun's launcher and each rank)")
+def test_a_kept_copy_in_a_nodes_staging_root_is_named_once_per_node_not_once_per_rank(
+    group_job: dict[str, Any],
+) -> None:
+    node0, node1 = group_job["job"].outputs
+    root = group_job["roots"][0]
+    said = [line for line in node0.splitlines() if "kept cop" in line and f"staging root {root}" in line]
+    assert len(said) == 1, group_job["job"].output()
+    assert group_job["kept"].save_dir.name in said[0], said[0]
+    assert "kept cop" not in node1, node1  # node 1's root holds none
