@@ -14,6 +14,7 @@ configured logging hears each record once, through its own handlers.
 copy a killed job left behind): written to stderr even when the program silenced the logger.
 
 In a job of many processes, what concerns the whole node or job is said once (``speaks_for_node``).
+A wait that goes on for seconds says what it waits for (``wait_saying``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
+import time
+from typing import Callable
 
 log = logging.getLogger("safestage")
 
@@ -124,3 +128,26 @@ def speaks_for_job() -> bool:
 def level(speaks: bool) -> int:
     """WARNING for the process that says a thing for the node or job, INFO for the others."""
     return logging.WARNING if speaks else logging.INFO
+
+
+SAY_AFTER = 5.0  # seconds a wait goes on in silence before it says what it waits for
+
+
+def wait_saying(
+    condition: threading.Condition,
+    predicate: Callable[[], bool],
+    waiting_for: Callable[[], str],
+    *,
+    level: int = logging.WARNING,
+) -> None:
+    """``condition.wait_for(predicate)``, the caller holding ``condition``. Once it has waited
+    SAY_AFTER seconds it says, once, what it waits for (``waiting_for()``, called holding the
+    condition: the path and what holds it), and at its end how long it waited (INFO): a
+    training loop blocked behind an upload says so, never hangs in silence."""
+    if condition.wait_for(predicate, timeout=SAY_AFTER):
+        return
+    started = time.monotonic() - SAY_AFTER
+    what = waiting_for()
+    log.log(level, "waiting for %s (%.0f s so far)", what, SAY_AFTER)
+    condition.wait_for(predicate)
+    log.info("waited %.1f s for %s", time.monotonic() - started, what)

@@ -80,7 +80,7 @@ class Job:
         """Its result once it has landed; its error, raised, if it failed (every time)."""
         self._own()
         with _condition:
-            _condition.wait_for(lambda: self.finished)
+            _loud.wait_saying(_condition, lambda: self.finished, lambda: _listed([self]), level=logging.INFO)
             self.seen = True
             if self in _jobs:
                 _jobs.remove(self)
@@ -166,11 +166,14 @@ def hand_off(
     on the job is the worker's: ``work()``'s result or error becomes the job's."""
     try:
         with _condition:
-            _condition.wait_for(
+            _loud.wait_saying(
+                _condition,
                 lambda: (
                     len(_running(kind=job.kind, background=True)) < limit
                     and not _running(dest=job.dest, background=True)
-                )
+                ),
+                lambda: f"{_listed(_running(dest=job.dest, background=True) or _running(kind=job.kind, background=True))} "
+                f"to land before the {_KIND[job.kind]} of {job.dest} goes to the background (at most {limit} at once)",
             )
             job.thread, job.kept = None, kept
     except BaseException as exc:
@@ -246,6 +249,16 @@ def may_defer(owner: object) -> bool:
 # -- what is in flight -----------------------------------------------------------------------------
 
 
+_KIND = {"file": "background save", "commit": "background commit"}
+
+
+def _listed(jobs: list[Job]) -> str:
+    """What a wait waits for: the jobs, by what they are and where they go (under _condition)."""
+    named = [f"the {_KIND[job.kind] if job.background else job.kind.replace('file', 'save')} of {job.dest}" for job in jobs[:3]]
+    more = f" and {len(jobs) - 3} more" if len(jobs) > 3 else ""
+    return (", ".join(named) + more) or "nothing"
+
+
 def _running(
     *,
     dest: Optional[Path] = None,
@@ -296,8 +309,10 @@ def settle(
     directory ``under``; None: any) runs: a later save of the same file must land after it,
     never under it, and a commit file after every file saved into its checkpoint."""
     with _condition:
-        _condition.wait_for(
-            lambda: not _running(dest=dest, owner=owner, under=under, background=True)
+        _loud.wait_saying(
+            _condition,
+            lambda: not _running(dest=dest, owner=owner, under=under, background=True),
+            lambda: f"{_listed(_running(dest=dest, owner=owner, under=under, background=True))} to land first",
         )
 
 
@@ -320,7 +335,11 @@ def make_room(kind: Kind, limit: int) -> None:
     """Wait until fewer than ``limit`` background jobs of ``kind`` run (a background commit
     waits so before its block starts: never more local copies than that)."""
     with _condition:
-        _condition.wait_for(lambda: len(_running(kind=kind, background=True)) < limit)
+        _loud.wait_saying(
+            _condition,
+            lambda: len(_running(kind=kind, background=True)) < limit,
+            lambda: f"{_listed(_running(kind=kind, background=True))} to land (at most {limit} in flight)",
+        )
 
 
 def wait_for_threads(owner: object) -> None:
@@ -361,7 +380,12 @@ def failures(
             chosen = [job for job in chosen if job.finished]
         else:
             chosen = [job for job in chosen if job.background or job.finished]
-        _condition.wait_for(lambda: all(job.finished for job in chosen))
+        _loud.wait_saying(
+            _condition,
+            lambda: all(job.finished for job in chosen),
+            lambda: _listed([job for job in chosen if not job.finished]),
+            level=logging.INFO,
+        )
         errors = [job.error for job in chosen if job.error is not None and not job.seen]
         for job in chosen:
             job.seen = True

@@ -96,3 +96,36 @@ def test_of_the_ranks_a_launcher_started_on_a_node_only_local_rank_0_names_its_k
     spoken = list(told.values())
     assert len(spoken[0]) == 1 and kept.save_dir.name in spoken[0][0], told
     assert spoken[1] == [] and spoken[2] == [], told
+
+
+@pytest.mark.mounts
+@pytest.mark.regression("issue 30 item 15: a save blocked for seconds behind a background publish said nothing")
+def test_a_save_waiting_seconds_behind_a_background_publish_says_what_it_waits_for(
+    tmp_path: Path, stage_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A background save of model.safetensors publishes at 4 MB/s (the kit's slow mount); a
+    synchronous save of the same file lands after it, so it waits: after 5 s it says for what."""
+    import logging
+    import time
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import safestage
+    from safestage.testing import hostile_mount
+
+    with hostile_mount("slow", tmp_path / "slow", mbps=4) as mount:
+        dest = Path(mount.path) / "model.safetensors"
+        caplog.set_level(logging.INFO, logger="safestage")
+        started = time.monotonic()
+        with safestage.staged(stage_root, background=True):
+            save_file({"w": torch.zeros(7 << 20)}, str(dest))  # 28 MiB: about 7 s to publish
+            with safestage.staged(stage_root):
+                save_file({"w": torch.ones(4)}, str(dest))  # waits for the one before
+        waited = time.monotonic() - started
+        assert torch.equal(load_file(str(dest))["w"], torch.ones(4))  # the newer one landed last
+    said = [r for r in caplog.records if r.levelno == logging.WARNING and r.getMessage().startswith("waiting for")]
+    assert waited > 5.5 and len(said) == 1, (waited, [r.getMessage() for r in caplog.records])
+    assert f"the background save of {dest}" in said[0].getMessage(), said[0].getMessage()
+    ended = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waited ")]
+    assert len(ended) == 1 and str(dest) in ended[0], ended
