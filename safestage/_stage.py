@@ -585,9 +585,9 @@ def _publishes_it(item: LocalCopy) -> str:
 
 
 def _note_kept_copy(exc: BaseException, item: LocalCopy) -> None:
-    text = (
-        f"safestage: interrupted while publishing {item.dest}; the complete staged copy is "
-        f"kept at {item.path}: {_publishes_it(item)}"
+    text = (  # the path last: a note read by a script ends with it, as before
+        f"safestage: interrupted while publishing {item.dest}; {_publishes_it(item)[:-1]}; the "
+        f"complete staged copy is kept at {item.path}"
     )
     log.warning("%s", text)
     if hasattr(exc, "add_note"):  # Python 3.11+: shown under the traceback
