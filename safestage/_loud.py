@@ -148,6 +148,16 @@ def wait_saying(
         return
     started = time.monotonic() - SAY_AFTER
     what = waiting_for()
-    log.log(level, "waiting for %s (%.0f s so far)", what, SAY_AFTER)
+    _unlocked(condition, lambda: log.log(level, "waiting for %s (%.0f s so far)", what, SAY_AFTER))
     condition.wait_for(predicate)
-    log.info("waited %.1f s for %s", time.monotonic() - started, what)
+    _unlocked(condition, lambda: log.info("waited %.1f s for %s", time.monotonic() - started, what))
+
+
+def _unlocked(condition: threading.Condition, say: Callable[[], None]) -> None:
+    """Log without holding ``condition``: a handler that blocks (stderr a full pipe) must not
+    stop the threads that end the work being waited for."""
+    condition.release()
+    try:
+        say()
+    finally:
+        condition.acquire()
