@@ -47,7 +47,8 @@ class PublishError(_PathError):
     """Copying the staged file to its destination failed.
 
     ``staged_path`` is where the complete staged copy is kept (None if it could not be
-    kept), so nothing is lost: copy it yourself or retry the save.
+    kept), so nothing is lost: the message gives the ``safestage recover`` command that
+    publishes (or commits) it once the process has ended; or retry the save.
 
     For a directory commit (``staged_dir``), ``landed`` and ``not_landed`` list the relative
     paths of the files that reached the destination and of those that did not (kept under
