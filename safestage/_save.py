@@ -1,6 +1,6 @@
 """One save, planned and run: every way in goes through here.
 
-``staged()``/``activate()`` saves (the serialize_file and torch.save wrappers of _patch),
+``staged()``/``activate()`` saves (the serialize_file and torch.save wrappers, _writers),
 ``staged_file``, the Lightning plugin, and, for their staging directory, ``staged_dir`` and
 ``commit_in_place``. A save is planned (``plan``) as one of:
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, Optional, Union
 
-from .. import _config, _patch, _work
+from .. import _config, _patch, _work, _writers  # noqa: F401 - _writers: what a block's hooked save does
 from .._config import PathArg, Publish, Settings
 from .._errors import ConfigError
 from .._kept import Part
