@@ -31,7 +31,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 if TYPE_CHECKING:
     from ._api import Stage
@@ -99,11 +99,18 @@ def current_stage() -> Optional[Stage]:
         return _active[-1]
 
 
-def begin_save(dest: Path, *, torch_save: bool = False) -> Optional[tuple[Stage, Job]]:
-    """current_stage(), with the save started as its job under the same lock: a stage whose
-    close() has begun is never picked, and one that was picked waits for the save. For a
-    torch.save, None unless that stage has torch_save: the stage that takes a save decides."""
+def begin_save(dest: Path, *, torch_save: bool = False) -> Optional[tuple[Union[Stage, Deferred], Job]]:
+    """Who takes a save of ``dest``, with the save started as its job under the same lock: the
+    background staged_dir whose local directory holds it (torch.save too), else None inside
+    another staging directory, else current_stage(): a stage whose close() has begun is never
+    picked, and one that was picked waits for the save. For a torch.save, None unless that
+    stage has torch_save: the stage that takes a save decides."""
     with _lock:
+        for directory, deferred in _deferring.items():
+            if dest.is_relative_to(directory):
+                return deferred, deferred._begin_save(dest)
+        if in_unstaged_dir(dest):
+            return None
         stage = current_stage()
         if stage is None or (torch_save and not stage.settings.torch_save):
             return None
@@ -389,8 +396,8 @@ def bypass() -> Iterator[None]:
 
 def add_unstaged_dir(directory: Path, deferred: Optional[Deferred] = None) -> None:
     """Saves into ``directory`` or below (the kernel's path) are not staged until removed.
-    ``deferred``: safetensors saves into it (and torch.save under torch_save) are copied and
-    serialized later (_save.defer), whether or not a stage is open."""
+    ``deferred``: it takes the safetensors saves and torch.saves into it (``begin_save``),
+    whether or not a stage is open: copied and serialized later (_save.plan: deferred)."""
     with _lock:
         _unstaged_dirs.append(directory)
         if deferred is not None:
@@ -406,14 +413,6 @@ def remove_unstaged_dir(directory: Path) -> None:
                 break
         if _deferring.pop(directory, None) is not None:
             _sync()
-
-
-def deferred_for(dest: Path) -> Optional[Deferred]:
-    with _lock:
-        for directory, deferred in _deferring.items():
-            if dest.is_relative_to(directory):
-                return deferred
-        return None
 
 
 def in_unstaged_dir(dest: Path) -> bool:

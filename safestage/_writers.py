@@ -30,7 +30,6 @@ from typing import Any, Callable, Optional
 from . import _patch
 from ._errors import PublishError, StagingError, as_safetensors_error, as_torch_error
 from ._paths import resolve_destination
-from ._save import defer
 from ._snapshot import Held, copy_specs, copy_state, offer, to_host, withdraw
 
 log = logging.getLogger("safestage")
@@ -71,20 +70,14 @@ def _stage_file(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
         copy_args, copy_kwargs = ((specs, *args[1:]), kwargs) if args else (args, {**kwargs, "tensor_dict": specs})
         return functools.partial(_serialize_into, wrapped, copy_args, copy_kwargs, positional), held
 
-    deferred = _patch.deferred_for(dest) if dest is not None else None
-    if deferred is not None and dest is not None:
-        with _patch.bypass():
-            return defer(functools.partial(_serialize_into, wrapped, args, kwargs, positional), dest, deferred,
-                         snapshot=snapshot)  # fmt: skip
-    if dest is None or _patch.in_unstaged_dir(dest) or not _patch.is_active():
-        # Not a path we can stage, or a destination a plain save rejects before writing
-        # (missing directory, a directory, a trailing slash): let safetensors raise exactly
-        # its own error. A staged_file's or staged_dir's local directory is staging already.
+    # Not a path we can stage, or a destination a plain save rejects before writing (missing
+    # directory, a directory, a trailing slash): let safetensors raise exactly its own error.
+    # A staged_file's or staged_dir's local directory is staging already (begin_save: None),
+    # but a background staged_dir's takes the save (deferred: _save.plan).
+    begun = _patch.begin_save(dest) if dest is not None else None
+    if begun is None or dest is None:
         return wrapped(*args, **kwargs)
-    begun = _patch.begin_save(dest)
-    if begun is None:
-        return wrapped(*args, **kwargs)
-    stage, job = begun
+    owner, job = begun
 
     def serialize(staged: str) -> None:
         if positional:
@@ -95,8 +88,8 @@ def _stage_file(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
 
     try:
         with _patch.bypass():  # a wrapper over ours, calling back into us, must not stage twice
-            return stage._save(serialize, dest, needs=_payload_bytes(args, kwargs), job=job,
-                               snapshot=snapshot)  # fmt: skip
+            return owner._save(serialize, dest, as_error=as_safetensors_error, needs=_payload_bytes(args, kwargs),
+                               job=job, snapshot=snapshot)  # fmt: skip
     except (PublishError, StagingError) as exc:
         as_safetensors_error(exc)  # still caught by `except SafetensorError` (issue 9)
         raise
@@ -166,7 +159,7 @@ def _torch_save_wrapper(
     """torch.save(obj, f, ...): a str or PathLike ``f`` is staged and published like a
     safetensors save; file objects and buffers (Lightning's BytesIO, DCP's streams) pass
     through untouched, and so does every other argument. Into a background staged_dir's
-    local directory (safestage's own), a save is deferred with or without ``torch_save``."""
+    local directory (safestage's own), a save is taken with or without ``torch_save``."""
     if _patch.bypassed() or not _patch.takes_saves():
         return wrapped(*args, **kwargs)
     target, positional = (args[1], True) if len(args) >= 2 else (kwargs.get("f"), False)
@@ -197,20 +190,14 @@ def _torch_save_wrapper(
         copy_args, copy_kwargs = ((state, *args[1:]), kwargs) if args else (args, {**kwargs, "obj": state})
         return functools.partial(_torch_save_into, wrapped, copy_args, copy_kwargs, positional), held
 
-    deferred = _patch.deferred_for(dest)
-    if deferred is not None:
-        with _patch.bypass():
-            return defer(serialize, dest, deferred, snapshot=snapshot)
-    if _patch.in_unstaged_dir(dest):
-        return wrapped(*args, **kwargs)
     begun = _patch.begin_save(dest, torch_save=True)
     if begun is None:
         return wrapped(*args, **kwargs)
-    stage, job = begun
+    owner, job = begun
 
     try:
         with _patch.bypass():  # the original writes into our staging file: never stage that again
-            return stage._save(serialize, dest, as_error=as_torch_error, job=job, snapshot=snapshot)
+            return owner._save(serialize, dest, as_error=as_torch_error, job=job, snapshot=snapshot)
     except (PublishError, StagingError) as exc:
         as_torch_error(exc)  # still caught by `except RuntimeError`, like torch.save's own
         raise
