@@ -3,16 +3,9 @@
 The mechanism only: the activation stack (``push``/``remove``, ``current_stage``,
 ``begin_save``), the local directories that are staging already, the hook points (``TARGETS``)
 and their install and restore, the post-import finder, and the pickling of our wrappers. What a
-hook does is registered by the module that does it (``register``): the safetensors and
-torch.save wrappers (_writers), DCP's writers and Lightning's sharded saves (_hooks, which hands
-them to safestage.dcp and safestage.lightning). This module imports none of them.
-
-The hook point of safetensors is the module global ``serialize_file`` of safetensors,
-safetensors.torch, safetensors.numpy and safetensors.paddle: their ``save_file`` looks it up at
-call time, so wrapping the global also catches every library that bound ``save_file`` at import
-time. ``torch.save`` and ``torch.serialization.save`` are wrapped while some open stage asks
-for it (``torch_save``), DCP's ``_save_state_dict`` and Lightning's strategies'
-``save_checkpoint`` while any stage is open.
+hook does is registered with its hook points by the module that does it (``register``): the
+safetensors and torch.save wrappers (_writers), DCP's writers and Lightning's sharded saves
+(_hooks, which hands them to safestage.dcp and safestage.lightning). It imports none of them.
 
 wrapt has no unpatch, so we restore by hand, and only where the global is still our wrapper:
 if someone wrapped on top of ours we leave theirs alone, and our wrapper inside it turns into
@@ -24,6 +17,7 @@ once per process and does nothing while inactive.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import sys
@@ -42,7 +36,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("safestage")
 
 
-
 @dataclass(frozen=True)
 class _Target:
     module: str
@@ -55,6 +48,7 @@ class _Target:
 FAMILIES = ("safetensors", "flatten", "dcp", "lightning", "torch")
 TARGETS: tuple[_Target, ...] = ()
 _HOOKED_MODULES: frozenset[str] = frozenset()
+
 _lock = threading.RLock()
 _active: list[Stage] = []
 _ours: list[Any] = []  # our FunctionWrapper objects currently installed (compared by identity)
@@ -128,21 +122,18 @@ def after_fork_in_child() -> None:  # registered by _lifecycle
 
 
 def takes_saves() -> bool:
-    """Whether a hooked save may be taken at all (a stage or a deferring directory is open);
-    unlocked: the wrappers' fast path."""
+    """Whether any save may be taken (a stage or a deferring directory is open); unlocked."""
     return bool(_active or _deferring)
 
 
 def background_settings() -> Optional[Settings]:
-    """The settings of a save that may return after a copy: a background stage's, or a
-    background staged_dir's when one is open; None otherwise."""
+    """The settings of a save that may return after a copy: a background stage's, else an
+    open background staged_dir's; None otherwise."""
     with _lock:
         stage = current_stage()
         if stage is not None and stage.settings.background:
             return stage.settings
-        for deferred in _deferring.values():
-            return deferred.settings
-    return None
+        return next((deferred.settings for deferred in _deferring.values()), None)
 
 
 def is_active() -> bool:
@@ -183,9 +174,11 @@ def _wanted_families() -> set[str]:
 def _sync() -> None:
     """Make the installed wrappers match the open stages (under _lock): serialize_file while
     any stage is open, torch.save while one of them has torch_save."""
+    global _hooks_registered
     families = _wanted_families()
-    if families:
-        _register_hooks()
+    if families and not _hooks_registered:  # once per process: it does nothing while inactive
+        sys.meta_path.insert(0, _PostImportFinder())
+        _hooks_registered = True
     for target in TARGETS:
         module = sys.modules.get(target.module)
         if module is None:
@@ -252,35 +245,30 @@ def _install(module: Any, target: _Target) -> None:
     _ours.append(wrapper)
 
 
-_WRAPPER_CLASS: Optional[type] = None
-
-
+@functools.cache
 def _wrapper_class() -> type:
     """wrapt's FunctionWrapper, made picklable: a wrapper pickles as a reference to the module
     global it replaced (``torch.save`` handed to a spawned process, a ProcessPoolExecutor),
     looked up again on unpickling. Plain wrapt proxies refuse to pickle."""
-    global _WRAPPER_CLASS
-    if _WRAPPER_CLASS is None:
-        import wrapt
+    import wrapt
 
-        class _BoundWrapper(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
-            # A hooked method read through an instance or its class (Lightning's strategies'
-            # save_checkpoint): pickled as plain Python pickles it, the bound method as the
-            # instance's attribute, the function as the class's.
-            def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, str]]:
-                home = self._self_parent._self_home
-                if self._self_instance is None:
-                    return (resolve_global, home)
-                return (getattr, (self._self_instance, home[1].rpartition(".")[2]))
+    class _BoundWrapper(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
+        # A hooked method read through an instance or its class (Lightning's strategies'
+        # save_checkpoint): pickled as plain Python pickles it, the bound method as the
+        # instance's attribute, the function as the class's.
+        def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, str]]:
+            home = self._self_parent._self_home
+            if self._self_instance is None:
+                return (resolve_global, home)
+            return (getattr, (self._self_instance, home[1].rpartition(".")[2]))
 
-        class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
-            __bound_function_wrapper__ = _BoundWrapper
+    class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
+        __bound_function_wrapper__ = _BoundWrapper
 
-            def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[str, str]]:
-                return (resolve_global, self._self_home)
+        def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[str, str]]:
+            return (resolve_global, self._self_home)
 
-        _WRAPPER_CLASS = _Wrapper
-    return _WRAPPER_CLASS
+    return _Wrapper
 
 
 def resolve_global(module: str, attribute: str) -> Any:
@@ -332,15 +320,6 @@ def _on_import(module: Any) -> None:
                     _install(module, target)
     except Exception:  # pragma: no cover - defensive
         log.warning("could not patch %s", getattr(module, "__name__", module), exc_info=True)
-
-
-def _register_hooks() -> None:
-    """Patch each target module when it is imported (at once if it is already)."""
-    global _hooks_registered
-    if _hooks_registered:
-        return
-    sys.meta_path.insert(0, _PostImportFinder())
-    _hooks_registered = True
 
 
 class _PostImportFinder:
@@ -407,10 +386,8 @@ def add_unstaged_dir(directory: Path, deferred: Optional[Deferred] = None) -> No
 
 def remove_unstaged_dir(directory: Path) -> None:
     with _lock:
-        for index in range(len(_unstaged_dirs) - 1, -1, -1):
-            if _unstaged_dirs[index] == directory:
-                del _unstaged_dirs[index]
-                break
+        if directory in _unstaged_dirs:
+            _unstaged_dirs.remove(directory)
         if _deferring.pop(directory, None) is not None:
             _sync()
 
