@@ -2,9 +2,9 @@
 
 The mechanism only: the activation stack (``push``/``remove``, ``current_stage``,
 ``begin_save``), the local directories that are staging already, the hook points (``TARGETS``)
-and their install and restore, the post-import finder, and the pickling of our wrappers. What a
-hook does is registered with its hook points by the module that does it (``register``): the
-safetensors and torch.save wrappers (_writers), DCP's writers and Lightning's sharded saves
+and their install and restore (at import too: _post_import), and the pickling of our wrappers.
+What a hook does is registered with its hook points by the module that does it (``register``):
+the safetensors and torch.save wrappers (_writers), DCP's writers and Lightning's sharded saves
 (_hooks, which hands them to safestage.dcp and safestage.lightning). It imports none of them.
 
 wrapt has no unpatch, so we restore by hand, and only where the global is still our wrapper:
@@ -25,15 +25,36 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+
+from . import _post_import
 
 if TYPE_CHECKING:
-    from ._api import Stage
     from ._config import Settings
-    from ._save import Deferred
     from ._work import Job
 
 log = logging.getLogger("safestage")
+
+
+class Owner(Protocol):
+    """Who takes a save (``begin_save``): a Stage (_api), or a background staged_dir's Deferred
+    (_save); named by what is used of it, so that this module imports neither."""
+
+    settings: Settings
+
+    def _begin_save(self, dest: Path) -> Job: ...
+
+    def _save(self, serialize: Callable[[str], None], dest: Path, *, as_error: Callable[[BaseException], BaseException],
+              needs: Optional[int] = None, job: Optional[Job] = None, snapshot: Optional[Callable[[int], Any]] = None,
+              ) -> None: ...  # fmt: skip
+
+
+class Stage(Owner, Protocol):
+    """An activation (_api.Stage)."""
+
+    _opened_by: Optional[int]
+
+    def _after_fork_in_child(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -59,7 +80,7 @@ _in_save = threading.local()
 _unstaged_dirs: list[Path] = []
 # Those of them whose saves are serialized later, from a copy (a background staged_dir's
 # local directory: its block returns without waiting for them): {directory: its _save.Deferred}.
-_deferring: dict[Path, Deferred] = {}
+_deferring: dict[Path, Owner] = {}
 # What each family's hook does, registered by the module that does it (``register``).
 Handler = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 _HANDLERS: dict[str, Handler] = {}
@@ -93,7 +114,7 @@ def current_stage() -> Optional[Stage]:
         return _active[-1]
 
 
-def begin_save(dest: Path, *, torch_save: bool = False) -> Optional[tuple[Union[Stage, Deferred], Job]]:
+def begin_save(dest: Path, *, torch_save: bool = False) -> Optional[tuple[Owner, Job]]:
     """Who takes a save of ``dest``, with the save started as its job under the same lock: the
     background staged_dir whose local directory holds it (torch.save too), else None inside
     another staging directory, else current_stage(): a stage whose close() has begun is never
@@ -177,7 +198,7 @@ def _sync() -> None:
     global _hooks_registered
     families = _wanted_families()
     if families and not _hooks_registered:  # once per process: it does nothing while inactive
-        sys.meta_path.insert(0, _PostImportFinder())
+        _post_import.watch(lambda name: name in _HOOKED_MODULES, _on_import)
         _hooks_registered = True
     for target in TARGETS:
         module = sys.modules.get(target.module)
@@ -322,41 +343,6 @@ def _on_import(module: Any) -> None:
         log.warning("could not patch %s", getattr(module, "__name__", module), exc_info=True)
 
 
-class _PostImportFinder:
-    """A post-import hook of our own, not wrapt's: importing wrapt costs ~0.16 s (it pulls in
-    asyncio and importlib.metadata), which every process of a job with SAFESTAGE_DIR set
-    would pay at start-up, saving or not. It finds a target module through the other
-    finders and runs ``_on_import`` right after the module body has executed."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in _HOOKED_MODULES:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _HookedLoader(spec.loader)  # type: ignore[assignment]
-                return spec
-        return None
-
-
-class _HookedLoader:
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        _on_import(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ... of the real loader
-        return getattr(self._loader, name)
-
-
 def bypassed() -> bool:
     """Whether this thread's saves go straight to the original writer (``bypass``)."""
     return bool(getattr(_in_save, "active", False))
@@ -373,7 +359,7 @@ def bypass() -> Iterator[None]:
         _in_save.active = previous
 
 
-def add_unstaged_dir(directory: Path, deferred: Optional[Deferred] = None) -> None:
+def add_unstaged_dir(directory: Path, deferred: Optional[Owner] = None) -> None:
     """Saves into ``directory`` or below (the kernel's path) are not staged until removed.
     ``deferred``: it takes the safetensors saves and torch.saves into it (``begin_save``),
     whether or not a stage is open: copied and serialized later (_save.plan: deferred)."""
