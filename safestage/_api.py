@@ -11,7 +11,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, NoReturn, Optional, Union
 
-from . import _config, _patch, _save, _work
+from . import _config, _hooks, _patch, _save, _work, _writers  # noqa: F401 - _hooks, _writers: what a hooked save does
 from ._config import PathArg, Publish, Settings
 from ._errors import as_safetensors_error
 from ._stage import PublishRecord

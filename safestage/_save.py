@@ -1,6 +1,6 @@
 """One save, planned and run: every way in goes through here.
 
-``staged()``/``activate()`` saves (the serialize_file and torch.save wrappers of _patch),
+``staged()``/``activate()`` saves (the serialize_file and torch.save wrappers, _writers),
 ``staged_file``, the Lightning plugin, and, for their staging directory, ``staged_dir`` and
 ``commit_in_place``. A save is planned (``plan``) as one of:
 
@@ -11,7 +11,10 @@
 - ``background``: serialized locally, published by the one background publisher
   (_work), which owns the publish and its error. A writer that can copy its state
   (``snapshot``: safetensors and torch.save) returns once the copy is taken (_snapshot), and
-  the serialization runs on the worker too.
+  the serialization runs on the worker too;
+- ``deferred``: into a background ``staged_dir``'s local directory (its ``Deferred`` takes
+  the save): the state copied, then serialized on a worker, as a background save's, but into
+  the directory itself, which the block's commit publishes once its saves are written.
 
 and then run (``run``). The staging root is checked and swept once per process and root
 (``staging_root``), not per save: a Lightning run saving a checkpoint every few minutes
@@ -55,7 +58,7 @@ from ._stage import (
 
 log = logging.getLogger("safestage")
 
-Way = Literal["unstaged", "followed", "staged", "background"]
+Way = Literal["unstaged", "followed", "staged", "background", "deferred"]
 Record = Callable[[PublishRecord], None]
 AsError = Callable[[BaseException], BaseException]
 # Copy the writer's state within the budget (bytes): the writer of the copy and what holds
@@ -121,7 +124,8 @@ def plan(
     if _patch.in_unstaged_dir(dest):
         # Into staged_dir's local directory or staged_file's path: staging already, and its
         # owner publishes it (staging it again would publish after the owner had committed).
-        return "unstaged"
+        # A background staged_dir's block returns without waiting for its saves.
+        return "deferred" if isinstance(owner, Deferred) else "unstaged"
     if settings.skip_local_disk and is_local_disk(dest.parent):
         return "unstaged"
     if settings.background and _work.may_defer(owner):
@@ -169,6 +173,15 @@ def run(
                 as_error(exc)
                 raise
             record(following)
+            return
+        if way == "deferred":
+            # Not in a process that may not leave work behind (a forked child: its commit is
+            # its parent's): written before the call returns, as when it cannot be copied.
+            taken = snapshot(settings.snapshot_bytes()) if snapshot is not None and _work.may_defer(owner) else None
+            if taken is None:
+                write(str(dest))
+                return
+            _serialize_later(*taken, dest, settings, None, job, record, as_error, needs=needs)
             return
         if way == "background":
             _make_room(root, needs, dest, owner)  # checked here: write_local need not again
@@ -219,7 +232,7 @@ def _serialize_later(
     held: Held,
     dest: Path,
     settings: Settings,
-    root: StagingRoot,
+    root: Optional[StagingRoot],
     job: _work.Job,
     record: Record,
     as_error: AsError,
@@ -229,16 +242,20 @@ def _serialize_later(
     """A background save whose state is copied (``held``): serialized from the copy and
     published on a worker; the copy is released once the local file is written (or not).
     Its private directory is made here, so that a staging root that is gone (a tmp cleaner)
-    is said at the call, as for a save that serializes now."""
+    is said at the call, as for a save that serializes now. ``root`` None (deferred): written
+    into ``dest`` itself, a background staged_dir's local directory, and not published."""
     try:
-        private = root.new_save_dir()
+        private = root.new_save_dir() if root is not None else None
     except BaseException:
         held.release()
         raise
 
-    def work() -> PublishRecord:
+    def work() -> Optional[PublishRecord]:
         try:
             try:
+                if root is None or private is None:  # deferred
+                    _write_in_place(write, dest, settings)
+                    return None
                 # Room was checked at the call, before the copies of earlier saves were
                 # written: a root full of them now has room once they are published. One
                 # write at a time per root, so that the check sees every copy written.
@@ -262,9 +279,25 @@ def _serialize_later(
 
     def not_started(exc: BaseException) -> None:  # nothing was written; the save raises
         held.release()
-        private.remove()
+        if private is not None:
+            private.remove()
 
-    _work.hand_off(job, work, limit=settings.background, not_started=not_started)
+    # A staged_dir's settings need not ask for background publishes: its block's saves go on
+    # on a worker all the same.
+    limit = settings.background if private is not None else max(settings.background, BACKGROUND_ON)
+    _work.hand_off(job, work, limit=limit, not_started=not_started)
+
+
+def _write_in_place(write: Callable[[str], None], dest: Path, settings: Settings) -> None:
+    """A deferred save, on its worker: into the staged_dir's local directory, where a full or
+    removed staging root is a staging problem, said so with the errno (as write_local does)."""
+    try:
+        write(str(dest))
+    except BaseException as exc:
+        translated = staging_failure(exc, dest, settings.staging_root())
+        if translated is not None:
+            raise translated from exc
+        raise
 
 
 _writing: dict[Path, threading.Lock] = {}
@@ -297,13 +330,39 @@ def _make_room(root: StagingRoot, needs: Optional[int], dest: Path, owner: objec
 
 
 class Deferred:
-    """The saves into one background ``staged_dir``'s local directory (``_patch`` sends them
-    here): each copied (_snapshot) and serialized on a worker, so that the block returns
-    without waiting for them; its commit waits for them (``wait``) before its checks."""
+    """The saves into one background ``staged_dir``'s local directory (``_patch.begin_save``
+    gives them to it): each planned ``deferred`` (copied, serialized on a worker), so that the
+    block returns without waiting for them; its commit waits for them (``wait``) before its
+    checks."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.jobs: list[_work.Job] = []
+        self._jobs: list[_work.Job] = []
+
+    @property
+    def jobs(self) -> list[_work.Job]:
+        """Its saves handed to a worker (one that ran in its caller raised there)."""
+        return [job for job in self._jobs if job.background]
+
+    def _begin_save(self, dest: Path) -> _work.Job:
+        """Called under the activation lock, as a Stage's: the save is this block's job."""
+        job = _work.start("file", dest, self)
+        self._jobs.append(job)
+        return job
+
+    def _save(
+        self,
+        serialize: Callable[[str], None],
+        dest: Path,
+        *,
+        as_error: AsError = _as_is,
+        needs: Optional[int] = None,
+        job: Optional[_work.Job] = None,
+        snapshot: Optional[Snapshot] = None,
+    ) -> None:
+        """One save of the block, through the one pipeline (``run``), as a Stage's."""
+        run(serialize, dest, self.settings, owner=self, record=lambda _: None, needs=needs, as_error=as_error,
+            job=job, snapshot=snapshot)  # fmt: skip
 
     def wait(self) -> None:
         """Until every save has been written; the first failure raised, whether or not
@@ -323,40 +382,6 @@ class Deferred:
 
     def __repr__(self) -> str:
         return f"<safestage deferred saves: {len(self.jobs)}>"
-
-
-def defer(
-    write: Callable[[str], None],
-    dest: Path,
-    deferred: Deferred,
-    *,
-    snapshot: Snapshot,
-) -> None:
-    """One save into a background staged_dir's local directory: its state copied, then
-    written by the original writer on a worker; or written now when it cannot be copied, or
-    in a process that may not leave work behind (a forked child: its commit is its parent's)."""
-    taken = snapshot(deferred.settings.snapshot_bytes()) if _work.may_defer(deferred) else None
-    if taken is None:
-        write(str(dest))
-        return
-    write_copy, held = taken
-
-    def work() -> None:
-        try:
-            write_copy(str(dest))
-        except BaseException as exc:
-            # Full, or removed: a staging problem, said so with the errno (as write_local does).
-            translated = staging_failure(exc, dest, deferred.settings.staging_root())
-            if translated is not None:
-                raise translated from exc
-            raise
-        finally:
-            held.release()
-
-    # Interrupted while waiting for a slot: nothing was written; the save raises.
-    job = _work.submit(work, "file", dest, deferred, limit=max(deferred.settings.background, BACKGROUND_ON),
-                       not_started=lambda exc: held.release())  # fmt: skip
-    deferred.jobs.append(job)
 
 
 # -- staged_file: the writer is the caller's block ----------------------------------------------

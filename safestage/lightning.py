@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Union
 
-from . import _config, _patch, _save, _work
+from . import _config, _patch, _save, _work, _writers
 from ._config import PathArg, Publish, Settings
 from ._errors import ConfigError
 from ._mounts import is_local_disk
@@ -149,7 +149,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
             with _patch.bypass():  # torch_save staging must not stage our staging file again
                 if default:
                     with open(staged, "wb") as stream:  # a stream, as _atomic_save's BytesIO
-                        _patch.run_torch_writer(lambda: _torch_save(state, stream), staged)
+                        _writers.run_torch_writer(lambda: _torch_save(state, stream), staged)
                 else:
                     self.checkpoint_io.save_checkpoint(
                         state, staged, storage_options=storage_options

@@ -50,6 +50,7 @@ import functools
 import logging
 import os
 import stat
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -1085,6 +1086,6 @@ def note(exc: BaseException, text: str) -> None:
 
 
 def version() -> str:
-    from .. import __version__
-
-    return __version__
+    # The package's own (hatch reads it there); loaded whenever this module is, so looked up
+    # rather than imported: this module sits below the package's front door.
+    return str(sys.modules[__name__.partition(".")[0]].__version__)

@@ -6,8 +6,8 @@ collective commit (``_collective``). The object ``staged_dir()`` returns is the 
 ``wait()`` (the manifest, or the error), ``done()``; a background commit (``background=``) goes
 on on a safestage worker after the block (``_work``). The block of a background commit returns
 without waiting for the saves inside it either: each safetensors save (and torch.save under
-``torch_save``) into its local directory returns once its tensors are copied (``_save.defer``),
-and the commit checks the directory once they are written.
+``torch_save``) into its local directory returns once its tensors are copied (planned
+``deferred``, _save), and the commit checks the directory once they are written.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, Optional, Union
 
-from .. import _config, _patch, _work
+from .. import _config, _patch, _work, _writers  # noqa: F401 - _writers: what a block's hooked save does
 from .._config import PathArg, Publish, Settings
 from .._errors import ConfigError
 from .._kept import Part
