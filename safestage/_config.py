@@ -238,7 +238,7 @@ def parse_budget(value: object, source: str) -> int:
     raise ConfigError(
         f"snapshot_budget={value!r} from {source} is not an amount of memory: use bytes (0 for "
         "none: background saves serialize before they return), a size such as 8GiB or 512MiB, "
-        "or a share of the machine's memory such as 25%"
+        "or a share of the node's memory such as 25% (divided among its LOCAL_WORLD_SIZE ranks)"
     )
 
 

@@ -32,6 +32,7 @@ save serializes before it returns, as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import logging
@@ -81,8 +82,9 @@ class Held:
             _pool.notify_all()
 
     def __del__(self) -> None:
-        if self.nbytes and os.getpid() == _pid:
-            self._release(pool=False)
+        with contextlib.suppress(Exception):  # at interpreter exit the module may be gone
+            if self.nbytes and os.getpid() == _pid:
+                self._release(pool=False)
 
 
 # -- the pool and the budget --------------------------------------------------------------------
