@@ -14,6 +14,9 @@ the caller's optimizer changes its tensors in place as soon as the call returns.
   states, numbers, objects), every storage once (views and shared tensors stay shared),
   storages into the buffer. The writer then pickles the copy: the same bytes.
 
+``copy_save_file`` and ``copy_torch_save`` take a whole call's arguments as they are at the
+call (the specs or the object copied, a ``metadata`` dict too), for ``_patch``'s wrappers.
+
 CUDA tensors are copied into pinned buffers, issued non-blocking on a side stream and
 synchronized once before the call returns (the physical floor: about 18 ms per GB over PCIe
 Gen5); CPU tensors by ``copy_`` (a ``clone()``'s cost).
