@@ -33,7 +33,7 @@ import pytest
 import safetensors.torch
 import torch
 from _support import SUITE_SETTINGS, long_tier
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
@@ -317,20 +317,30 @@ def _saving(plan: Plan, directory: Path, interrupt: Optional[float]) -> bool:
     for thread in others:
         thread.start()
     interrupted = False
-    timer = threading.Timer(interrupt, lambda: os.kill(os.getpid(), signal.SIGINT)) if interrupt is not None else None
+    fired: list[bool] = []
+
+    def ctrl_c() -> None:
+        fired.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(interrupt, ctrl_c) if interrupt is not None else None
     try:
         try:
             if timer is not None:
                 timer.start()
             _run_thread(plan.threads[0], directory, errors)
-            if errors and isinstance(errors[0], KeyboardInterrupt):
-                raise errors.pop(0)
+            for error in errors:
+                if isinstance(error, KeyboardInterrupt):
+                    raise error
         finally:
             if timer is not None:
                 timer.cancel()
                 timer.join()
     except KeyboardInterrupt:
         interrupted = True
+    # The fault fired where it was sent, and was never swallowed: a Ctrl-C sent while the
+    # saves ran ends them with KeyboardInterrupt.
+    assert interrupted == bool(fired), "a Ctrl-C was sent but no KeyboardInterrupt reached the caller"
     for thread in others:
         thread.join(WATCHDOG_S)
         assert not thread.is_alive(), "a saving thread did not return"
@@ -441,9 +451,12 @@ def _run_plan(plan: Plan, base: Path, entry: str, interrupt: Optional[float]) ->
                     # Nothing or everything: a block that a Ctrl-C ended is not committed.
                     assert not dest.exists() or (dest / safestage.COMMIT_NAME).exists()
                     if not dest.exists():
+                        event("a Ctrl-C ended the block: nothing committed")
                         _no_budget_held()
                         return
                 landed = dest
+        if interrupt is not None:
+            event("a Ctrl-C ended the saves" if interrupted else "the saves ended before the Ctrl-C")
         _check(plan, landed, expected, interrupted=interrupted)
         _no_budget_held()
     finally:
