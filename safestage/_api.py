@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,18 @@ from ._errors import as_safetensors_error
 from ._stage import PublishRecord
 
 log = logging.getLogger("safestage")
+
+
+def _raised_at_the_next_save(dest: Path, job: _work.Job) -> str:
+    """The note of a background save's failure raised at the next save (Stage._begin_save)."""
+    if job.kept is not None and job.kept.exists():
+        where = f"its complete copy is kept at {job.kept}: `safestage recover` publishes it"
+    else:
+        where = "no copy of it was kept: save it again"
+    return (
+        f"safestage: raised at the next save (of {dest}, not made): the background save of "
+        f"{job.dest} failed earlier and it is NOT there; {where}"
+    )
 
 
 class Stage(contextlib.ContextDecorator):
@@ -73,7 +86,11 @@ class Stage(contextlib.ContextDecorator):
 
     def _begin_save(self, dest: Path) -> _work.Job:
         """Called under the activation lock with the stage chosen for a save (_patch): the
-        save is this stage's job from now on, so close() waits for it."""
+        save is this stage's job from now on, so close() waits for it. A background save of
+        this stage that failed since is raised here instead, before this save is made
+        (docs/asynchronous.md: a run activated from the environment has no close() to see it)."""
+        _work.raise_unseen(lambda job: job.owner is self and job.kind == "file",
+                           functools.partial(_raised_at_the_next_save, dest))  # fmt: skip
         return _work.start("file", dest, self)
 
     def _after_fork_in_child(self) -> None:

@@ -52,7 +52,7 @@ class Settings:
     torch_save: bool = False
     # Host memory that background saves may hold as snapshots of their state (_snapshot), in
     # bytes; 0: none (a background save serializes before it returns). None: a quarter of
-    # the machine's memory.
+    # the node's memory shared by its local ranks (default_budget).
     snapshot_budget: Optional[int] = None
     # Internal, in no public signature: synchronous replace saves publish while the writer is
     # still writing (_follow). None ("auto"): safetensors saves known to be big; True: also
@@ -67,12 +67,30 @@ class Settings:
         return self.snapshot_budget if self.snapshot_budget is not None else default_budget()
 
 
-def default_budget() -> int:
-    """A quarter of the machine's physical memory."""
+def physical_memory() -> int:
+    """The machine's physical memory (16 GiB if the system does not say)."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        return 4 << 30
+        return 16 << 30
+
+
+def local_ranks() -> int:
+    """How many processes of the job share this node: torchrun's LOCAL_WORLD_SIZE (1 when
+    unset or not a whole number)."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(text) if text.isascii() and text.isdigit() and 0 < int(text) <= 1 << 16 else 1
+
+
+def node_share(percent: int) -> int:
+    """``percent`` of the node's memory, shared by its local ranks: a budget that holds per
+    node (eight ranks each taking a quarter of the machine would pin twice its memory)."""
+    return physical_memory() * percent // 100 // local_ranks()
+
+
+def default_budget() -> int:
+    """A quarter of the node's physical memory, shared by the ranks on it."""
+    return node_share(25)
 
 
 def default_root() -> Path:
@@ -205,13 +223,14 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
 
 def parse_budget(value: object, source: str) -> int:
     """Bytes of host memory: a whole number of bytes, or one with a unit ("8GiB", "512M";
-    binary units), or a percentage of the machine's memory ("25%"); 0 is none."""
+    binary units), each per process; or a share of the node's memory ("25%"), divided among
+    its local ranks (LOCAL_WORLD_SIZE); 0 is none."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
         if text.endswith("%") and _is_small_ascii_number(text[:-1]) and int(text[:-1]) <= 100:
-            return default_budget() * 4 * int(text[:-1]) // 100
+            return node_share(int(text[:-1]))
         number = text.rstrip("kmgtib")
         unit = text[len(number):]
         if _is_small_ascii_number(number) and unit in _UNITS:
@@ -219,7 +238,7 @@ def parse_budget(value: object, source: str) -> int:
     raise ConfigError(
         f"snapshot_budget={value!r} from {source} is not an amount of memory: use bytes (0 for "
         "none: background saves serialize before they return), a size such as 8GiB or 512MiB, "
-        "or a share of the machine's memory such as 25%"
+        "or a share of the node's memory such as 25% (divided among its LOCAL_WORLD_SIZE ranks)"
     )
 
 

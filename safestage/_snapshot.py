@@ -14,6 +14,9 @@ the caller's optimizer changes its tensors in place as soon as the call returns.
   states, numbers, objects), every storage once (views and shared tensors stay shared),
   storages into the buffer. The writer then pickles the copy: the same bytes.
 
+``copy_save_file`` and ``copy_torch_save`` take a whole call's arguments as they are at the
+call (the specs or the object copied, a ``metadata`` dict too), for ``_patch``'s wrappers.
+
 CUDA tensors are copied into pinned buffers, issued non-blocking on a side stream and
 synchronized once before the call returns (the physical floor: about 18 ms per GB over PCIe
 Gen5); CPU tensors by ``copy_`` (a ``clone()``'s cost).
@@ -21,19 +24,26 @@ Gen5); CPU tensors by ``copy_`` (a ``clone()``'s cost).
 Memory is bounded. A snapshot takes one buffer, from a pool keyed by size and pinning (a
 checkpoint's state has the same size every time: the second one allocates nothing), and every
 buffer, in use or free, counts against the budget (``snapshot_budget`` /
-``SAFESTAGE_SNAPSHOT_BUDGET``, by default a quarter of the machine's memory). A snapshot that
-would pass it waits for older ones to land (free buffers are dropped first); one bigger than
-the whole budget is not taken: that save serializes before it returns, as before.
+``SAFESTAGE_SNAPSHOT_BUDGET``, by default a quarter of the node's memory shared by its local
+ranks). A snapshot is one reservation of the budget, taken whole or not at all: its tensors'
+buffer and what the pickle holds by value together (a save that reserved one part and waited
+for the other waited for ever on itself). One that would pass the budget waits for older
+snapshots to land (free buffers are dropped first), holding nothing while it waits, and says
+so at WARNING after ``PATIENCE`` seconds; one bigger than the whole budget is not taken: that
+save serializes before it returns, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import logging
 import os
 import pickle
 import threading
+import time
+import weakref
 from typing import Any, Optional
 
 log = logging.getLogger("safestage")
@@ -42,12 +52,16 @@ _ALIGN = 64  # each tensor's bytes start on a cache line of the buffer
 
 
 class Held:
-    """The buffer of one snapshot, held until its save has landed or failed; ``release()``
-    (idempotent) returns it to the pool."""
+    """One snapshot's reservation of the budget (its buffer, if it has one), held until its
+    save has landed or failed; ``release()`` (idempotent) returns the buffer to the pool. One
+    that nobody released (an interrupt between the reservation and its owner) is released when
+    it is garbage, its buffer dropped rather than pooled (a view of it may live on)."""
 
-    def __init__(self, nbytes: int, buffer: Any, key: Optional[tuple[int, bool]]) -> None:
+    def __init__(
+        self, nbytes: int, buffer: Any, key: Optional[tuple[int, bool]], what: Optional[str] = None
+    ) -> None:
         self.nbytes, self._buffer, self._key = nbytes, buffer, key
-        self.also: list[Held] = []  # released with it (a save's CUDA and CPU tensors)
+        self.what = what  # whose snapshot: named to a save that waits for the budget
 
     def contains(self, pointer: int, size: int) -> bool:
         buffer = self._buffer
@@ -58,17 +72,22 @@ class Held:
         return start <= pointer and pointer + size <= end
 
     def release(self) -> None:
-        for other in self.also:
-            other.release()
-        self.also = []
+        self._release(pool=True)
+
+    def _release(self, *, pool: bool) -> None:
+        global _in_use
         buffer, self._buffer = self._buffer, None
         with _pool:
-            global _in_use
             _in_use -= self.nbytes
             self.nbytes = 0
-            if buffer is not None and self._key is not None and os.getpid() == _pid:
+            if pool and buffer is not None and self._key is not None and os.getpid() == _pid:
                 _free.setdefault(self._key, []).append(buffer)
             _pool.notify_all()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the module may be gone
+            if self.nbytes and os.getpid() == _pid:
+                self._release(pool=False)
 
 
 # -- the pool and the budget --------------------------------------------------------------------
@@ -76,6 +95,7 @@ class Held:
 _pool = threading.Condition()
 _free: dict[tuple[int, bool], list[Any]] = {}  # free buffers by (bytes, pinned)
 _in_use = 0  # bytes of snapshots whose saves have not landed yet
+_holders: weakref.WeakSet[Held] = weakref.WeakSet()  # their reservations, named to a waiting save
 _pid = os.getpid()
 
 
@@ -83,49 +103,71 @@ def _free_bytes() -> int:
     return sum(key[0] * len(buffers) for key, buffers in _free.items())
 
 
-def _reserve(nbytes: int, budget: int, key: Optional[tuple[int, bool]] = None) -> Any:
-    """Count ``nbytes`` in use once in-use and free buffers with them fit ``budget``, waiting
-    for older snapshots to land (free buffers are dropped first). Returns a free buffer of
-    ``key`` if the pool has one, else True; False when it can never fit (over the budget)."""
+# Seconds a snapshot waits for the budget before it says so at WARNING.
+PATIENCE = 5.0
+
+
+def _reserve(
+    nbytes: int, budget: int, key: Optional[tuple[int, bool]] = None, what: Optional[str] = None
+) -> Optional[tuple[Held, Any]]:
+    """Reserve ``nbytes`` (a snapshot's whole reservation: its buffer of ``key``'s size and
+    what else it holds) once in-use and free buffers with it fit ``budget``, waiting for older
+    snapshots to land (free buffers are dropped first). Returns its Held and a free buffer of
+    ``key`` from the pool (or None: allocate one); None when it can never fit. Nothing is
+    counted while it waits: an interrupt there leaves nothing held."""
     global _in_use
     if nbytes > budget:
-        return False
-    with _pool:
-        while True:
-            if key is not None and _free.get(key):
-                _in_use += nbytes
-                buffer = _free[key].pop()
-                if not _free[key]:
-                    del _free[key]
-                return buffer
-            if _in_use + nbytes <= budget:
-                while _free and _in_use + _free_bytes() + nbytes > budget:
-                    other = next(iter(_free))
-                    _free[other].pop()
-                    if not _free[other]:
-                        del _free[other]
-                _in_use += nbytes
-                return True
-            log.info("safestage: the snapshot budget (%d bytes) is held by saves in flight; "
-                     "waiting for the oldest to land", budget)  # fmt: skip
-            _pool.wait()
-
-
-def _take_buffer(nbytes: int, pinned: bool, budget: int) -> Optional[tuple[Any, tuple[int, bool]]]:
-    """A buffer of ``nbytes`` (pooled, or new), counted in use; None over the budget."""
-    key = (nbytes, pinned)
-    reserved = _reserve(nbytes, budget, key)
-    if reserved is False:
         return None
-    if reserved is not True:
-        return reserved, key
-    try:
-        import torch
+    started, said = time.monotonic(), False
+    with _pool:
+        while _in_use + nbytes > budget:
+            waited = time.monotonic() - started
+            if not said and waited >= PATIENCE:
+                said = True
+                holders = sorted({held.what or "a save" for held in _holders if held.nbytes})
+                log.warning(
+                    "safestage: the snapshot of %s has waited %.0f s for %d bytes of the snapshot "
+                    "budget (%d bytes; %d in use, by the snapshots of %s, saves still being written). "
+                    "It goes on once they land; a larger snapshot_budget / SAFESTAGE_SNAPSHOT_BUDGET "
+                    "lets saves overlap, 0 writes each before it returns",
+                    what or "a save", waited, nbytes, budget, _in_use, ", ".join(holders) or "none",
+                )  # fmt: skip
+            _pool.wait(None if said else max(PATIENCE - waited, 0.01))
+        reused = None
+        if key is not None and _free.get(key):
+            reused = _free[key].pop()
+            if not _free[key]:
+                del _free[key]
+        while _free and _in_use + _free_bytes() + nbytes > budget:
+            other = next(iter(_free))
+            _free[other].pop()
+            if not _free[other]:
+                del _free[other]
+        _in_use += nbytes
+        held = Held(nbytes, reused, key, what)
+        _holders.add(held)
+        return held, reused
 
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), key
-    except BaseException:
-        Held(nbytes, None, None).release()
-        raise
+
+def _take_buffer(
+    nbytes: int, pinned: bool, budget: int, *, extra: int = 0, what: Optional[str] = None
+) -> Optional[Held]:
+    """One reservation of a buffer of ``nbytes`` (pooled, or new) and ``extra`` bytes held
+    beside it; None over the budget."""
+    key = (nbytes, pinned) if nbytes else None
+    reserved = _reserve(nbytes + extra, budget, key, what)
+    if reserved is None:
+        return None
+    held, buffer = reserved
+    if buffer is None and nbytes:
+        try:
+            import torch
+
+            held._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        except BaseException:
+            held.release()
+            raise
+    return held
 
 
 def pooled_bytes() -> tuple[int, int]:
@@ -145,6 +187,7 @@ def after_fork_in_child() -> None:  # registered by _lifecycle
     global _pool, _in_use, _pid
     _pool = threading.Condition()
     _free.clear()
+    _holders.clear()
     _in_use, _pid = 0, os.getpid()
 
 
@@ -159,31 +202,38 @@ def _layout(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _copy(sources: list[Any], budget: int) -> Optional[tuple[list[Any], Held]]:
-    """Copy the flat uint8 tensors ``sources`` into one pooled buffer; their copies (views of
-    it) and its Held, or None when the budget cannot hold them. CUDA sources go into a pinned
-    buffer, copied on a side stream after the work already queued on theirs."""
-    import torch
-
+def _copy(
+    sources: list[Any], budget: int, *, extra: int = 0, what: Optional[str] = None
+) -> Optional[tuple[list[Any], Held]]:
+    """Copy the flat uint8 tensors ``sources`` into one pooled buffer, reserved in one piece
+    with ``extra`` bytes the snapshot holds beside it; their copies (views of it) and its Held,
+    or None when the budget cannot hold them. With CUDA sources the buffer is pinned: those are
+    copied on a side stream after the work already queued on theirs, CPU ones by ``copy_``."""
     sizes = [source.numel() for source in sources]
     offsets, total = _layout(sizes)
     cuda = [source for source in sources if source.device.type == "cuda"]
-    if cuda and len(cuda) != len(sources):
-        return None  # a mix: not worth a second buffer; serialized before the call returns
-    taken = _take_buffer(total, bool(cuda), budget)
-    if taken is None:
+    if len({source.device for source in cuda}) > 1:
+        return None  # two GPUs: one side stream each; not worth it, serialized in the call
+    held = _take_buffer(total, bool(cuda), budget, extra=extra, what=what)
+    if held is None:
         return None
-    buffer, key = taken
-    held = Held(total, buffer, key)
     try:
-        copies = [buffer[offset : offset + size] for offset, size in zip(offsets, sizes)]
+        buffer = held._buffer
+        copies = [buffer[offset : offset + size] for offset, size in zip(offsets, sizes)] if total else [
+            source[:0] for source in sources]  # fmt: skip
         if cuda:
+            import torch
+
             device = cuda[0].device
             side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for copy, source in zip(copies, sources):
-                    copy.copy_(source, non_blocking=True)
+                    if source.device.type == "cuda":
+                        copy.copy_(source, non_blocking=True)
+            for copy, source in zip(copies, sources):
+                if source.device.type != "cuda":
+                    copy.copy_(source)
             side.synchronize()
         else:
             for copy, source in zip(copies, sources):
@@ -243,28 +293,64 @@ def _remade(spec: Any, data_ptr: int) -> Optional[Any]:
     return None
 
 
-def copy_specs(specs: Any, budget: int) -> Optional[tuple[dict[str, Any], Held]]:
+def copy_save_file(
+    args: tuple[Any, ...], kwargs: dict[str, Any], budget: int, *, what: Optional[str] = None
+) -> Optional[tuple[tuple[Any, ...], dict[str, Any], Held]]:
+    """The arguments of a ``serialize_file(tensor_dict, filename, metadata=None)`` call as
+    they are at the call: its specs copied (``copy_specs``) and its ``metadata`` too (a script
+    may update one dict between saves: kohya's ``ss_steps``), with the snapshot's Held; None
+    when they cannot be copied: serialize now."""
+    positional = len(args) > 2
+    metadata = args[2] if positional else kwargs.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in [*metadata, *metadata.values()])
+    ):
+        return None  # safetensors refuses it: let it say so at the call
+    copied = copy_specs(args[0] if args else kwargs.get("tensor_dict"), budget, what=what)
+    if copied is None:
+        return None
+    specs, held = copied
+    taken = dict(metadata) if metadata is not None else None  # str to str: a shallow copy is all of it
+    if args:
+        args = (specs, *args[1:])
+    else:
+        kwargs = {**kwargs, "tensor_dict": specs}
+    if positional:
+        args = (*args[:2], taken, *args[3:])
+    elif "metadata" in kwargs:
+        kwargs = {**kwargs, "metadata": taken}
+    return args, kwargs, held
+
+
+def copy_specs(
+    specs: Any, budget: int, *, what: Optional[str] = None
+) -> Optional[tuple[dict[str, Any], Held]]:
     """The ``tensor_dict`` of a ``serialize_file`` call, copied (see the module docstring);
     None when it cannot be (not specs this knows, over the budget): serialize it now."""
     if not isinstance(specs, dict) or not specs or budget <= 0:
         return None
     values = list(specs.values())
     if all(isinstance(spec, dict) and isinstance(spec.get("data"), bytes) for spec in values):
-        # safetensors 0.4-0.7: the bytes are the spec's own (immutable): copy the dicts only.
-        nbytes = sum(len(spec["data"]) for spec in values)
-        if not _reserve(nbytes, budget):
+        # safetensors 0.4-0.7: the bytes are the spec's own (immutable): copy the dicts only;
+        # they count against the budget (they are the buffer).
+        reserved = _reserve(sum(len(spec["data"]) for spec in values), budget, what=what)
+        if reserved is None:
             return None
-        held = Held(nbytes, None, None)  # counted against the budget; the bytes are the buffer
-        return {name: {**spec, "shape": list(spec["shape"])} for name, spec in specs.items()}, held
+        return {name: {**spec, "shape": list(spec["shape"])} for name, spec in specs.items()}, reserved[0]
     if not all(hasattr(spec, "data_ptr") and hasattr(spec, "data_len") for spec in values):
         return None
     import torch
 
-    # The pinned copy of this save's CUDA tensors (to_host): theirs. Taken only by a copy that
-    # succeeds: a save refused here writes from it before it returns (withdraw frees it then).
+    # The copy of this save's tensors made before safetensors flattened them (to_host): the
+    # snapshot's whole reservation. Taken only by a copy that succeeds: a save refused here
+    # writes from it before it returns (withdraw frees it then).
     offered: Optional[Held] = getattr(_offers, "held", None)
-    # Only the specs that point elsewhere (CPU tensors, whose memory is the caller's) are copied.
+    # Only the specs that point elsewhere (memory of the caller's) are copied.
     copying = [name for name, spec in specs.items() if not (offered and offered.contains(spec.data_ptr, spec.data_len))]
+    if offered is not None and any(specs[name].data_len for name in copying):
+        # Never a second reservation beside the first: this save would wait for the budget
+        # its own copy holds. Written from the copy before the call returns.
+        return None
     sources = []
     for name in copying:
         spec = specs[name]
@@ -273,19 +359,25 @@ def copy_specs(specs: Any, budget: int) -> Optional[tuple[dict[str, Any], Held]]
             return None
         raw = (ctypes.c_ubyte * size).from_address(spec.data_ptr) if size else bytearray()
         sources.append(torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8))
-    copied = _copy(sources, budget) if sources else ([], Held(0, None, None))
-    if copied is None:
-        return None
-    copies, held = copied
+    if offered is not None:
+        copies: list[Any] = [source[:0] for source in sources]  # empty ones: nothing to copy
+        held = offered
+    else:
+        copied = _copy(sources, budget, what=what)
+        if copied is None:
+            return None
+        copies, held = copied
     result = dict(specs)
     for name, copy in zip(copying, copies):
         new = _remade(specs[name], copy.data_ptr() if copy.numel() else 0)
         if new is None:
-            held.release()
+            if offered is None:
+                held.release()
             return None
         result[name] = new
     if offered is not None:
-        held.also.append(take_offer() or offered)
+        take_offer()
+        held.what = what or held.what
     return result, held
 
 
@@ -300,16 +392,21 @@ HOST_DEVICES: tuple[str, ...] = ("cuda",)
 def to_host(tensors: dict[str, Any], budget: int) -> Optional[tuple[dict[str, Any], Held]]:
     """``tensors`` (a ``save_file`` dict) with its CUDA tensors copied into one pinned buffer
     (safetensors would copy each into pageable memory: 1.5 GB/s against 55 on an H200), as
-    CPU tensors over it; None when none is on CUDA or the budget cannot hold them. The buffer
-    is offered (``offer``) to the save's ``copy_specs``, which keeps it instead of copying."""
+    CPU tensors over it; its CPU tensors into the same buffer (the snapshot is one reservation:
+    a second one for them would wait for the budget this one holds). None when none is on CUDA,
+    one cannot be copied so (safetensors then refuses it or copies it itself), or the budget
+    cannot hold them all. The buffer is offered (``offer``) to the save's ``copy_specs``, which
+    keeps it instead of copying."""
     import torch
 
-    names = [name for name, tensor in tensors.items()
-             if isinstance(tensor, torch.Tensor) and tensor.device.type in HOST_DEVICES
-             and tensor.is_contiguous() and tensor.layout == torch.strided]  # fmt: skip
-    if not names or len({tensors[name].device for name in names}) != 1 or budget <= 0:
+    names = [name for name, tensor in tensors.items() if isinstance(tensor, torch.Tensor)]
+    on = {tensors[name].device for name in names if tensors[name].device.type in HOST_DEVICES}
+    if not on or len(on) != 1 or budget <= 0 or len(names) != len(tensors) or not all(
+        (tensors[name].device in on or tensors[name].device.type == "cpu") and tensors[name].layout == torch.strided
+        and tensors[name].is_contiguous() for name in names
+    ):  # fmt: skip
         return None
-    storages = [tensors[name].untyped_storage().data_ptr() for name in names]
+    storages = [tensors[name].untyped_storage().data_ptr() for name in names if tensors[name].numel()]
     if len(set(storages)) != len(storages):
         return None  # tensors sharing memory: safetensors refuses them, and must see them so
     copied = _copy([_bytes_of(tensors[name]) for name in names], budget)
@@ -348,11 +445,34 @@ def withdraw() -> None:
 # -- torch.save: any object, the way pickle sees it ---------------------------------------------
 
 
-def copy_state(obj: Any, budget: int, pickle_module: Any = pickle) -> Optional[tuple[Any, Held]]:
+def copy_torch_save(
+    args: tuple[Any, ...], kwargs: dict[str, Any], budget: int, *, what: Optional[str] = None
+) -> Optional[tuple[tuple[Any, ...], dict[str, Any], Held]]:
+    """The arguments of a ``torch.save(obj, f, pickle_module, pickle_protocol,
+    _use_new_zipfile_serialization, _disable_byteorder_record)`` call as they are at the call:
+    ``obj`` copied (``copy_state``; the others are a module, numbers and flags, taken as they
+    are), with the snapshot's Held; None when it cannot be copied: serialize now."""
+    legacy = args[4] if len(args) > 4 else kwargs.get("_use_new_zipfile_serialization", True)
+    if legacy is False:
+        return None  # the old format pickles by identity in ways a copy does not keep
+    pickle_module = args[2] if len(args) > 2 else kwargs.get("pickle_module", pickle)
+    copied = copy_state(args[0] if args else kwargs.get("obj"), budget, pickle_module, what=what)
+    if copied is None:
+        return None
+    state, held = copied
+    if args:
+        return (state, *args[1:]), kwargs, held
+    return args, {**kwargs, "obj": state}, held
+
+
+def copy_state(
+    obj: Any, budget: int, pickle_module: Any = pickle, *, what: Optional[str] = None
+) -> Optional[tuple[Any, Held]]:
     """The object of a ``torch.save``, copied (see the module docstring); None when it cannot
     be: another pickle module, storages on CUDA (or any device but the CPU), over the budget
-    (0: never). What torch.save refuses while pickling (an object that cannot be pickled, one
-    storage viewed as two dtypes) raises here, at the call, as it would."""
+    (0: never; its storages and what the pickle holds by value together, one reservation).
+    What torch.save refuses while pickling (an object that cannot be pickled, one storage viewed
+    as two dtypes) raises here, at the call, as it would."""
     if pickle_module is not pickle or budget <= 0:
         return None
     import torch
@@ -384,17 +504,13 @@ def copy_state(obj: Any, budget: int, pickle_module: Any = pickle) -> Optional[t
     pickler.dump(obj)
     if any(storage.device.type != "cpu" for storage in storages):
         return None  # torch.save records each storage's device: a host copy would change it
-    # What the pickle holds by value (numpy arrays, bytes, lists) counts against the budget too.
-    objects = Held(pickled.tell(), None, None)
-    if not _reserve(objects.nbytes, budget):
-        return None
     sources = [torch.empty(0, dtype=torch.uint8).set_(storage) for storage in storages]
-    copied = _copy(sources, budget) if sources else ([], Held(0, None, None))
+    # What the pickle holds by value (numpy arrays, bytes, lists) counts against the budget
+    # too, in the same reservation as the storages' buffer.
+    copied = _copy(sources, budget, extra=pickled.tell(), what=what)
     if copied is None:
-        objects.release()
         return None
     copies, held = copied
-    held.also.append(objects)
     try:
         return _unpickle(pickled, copies), held
     except BaseException:

@@ -43,7 +43,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 from . import _loud
 from ._interrupts import deferred
@@ -400,10 +400,11 @@ def wait(owner: object = None, *, finished_only: bool = False) -> None:
     _raise_first(failures(owner, finished_only=finished_only))
 
 
-def raise_unseen(match: Callable[[Job], bool], note: str) -> None:
+def raise_unseen(match: Callable[[Job], bool], note: Union[str, Callable[[Job], str]]) -> None:
     """Raise the error of a finished job that ``match``es and nobody has seen (once; its own
-    ``wait()`` raises it again), with ``note``: the next staged_dir raises a background
-    commit's failure so."""
+    ``wait()`` raises it again), with ``note`` (``{dest}`` is its destination; a callable
+    writes it from the job): the next staged_dir raises a background commit's failure so, the
+    next save through a stage a background save's."""
     with _condition:
         failed = [job for job in _jobs if job.finished and not job.seen and match(job)]
         for job in failed:
@@ -411,7 +412,7 @@ def raise_unseen(match: Callable[[Job], bool], note: str) -> None:
             _jobs.remove(job)
     errors = [job.error for job in failed if job.error is not None]
     if errors and hasattr(errors[0], "add_note"):
-        errors[0].add_note(note.format(dest=failed[0].dest))
+        errors[0].add_note(note(failed[0]) if callable(note) else note.format(dest=failed[0].dest))
     _raise_first(errors)
 
 

@@ -22,7 +22,6 @@ import errno
 import functools
 import logging
 import os
-import pickle
 import stat
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -30,7 +29,7 @@ from typing import Any, Callable, Optional
 from . import _patch
 from ._errors import PublishError, StagingError, as_safetensors_error, as_torch_error
 from ._paths import resolve_destination
-from ._snapshot import Held, copy_specs, copy_state, offer, to_host, withdraw
+from ._snapshot import Held, copy_save_file, copy_torch_save, offer, to_host, withdraw
 
 log = logging.getLogger("safestage")
 
@@ -58,17 +57,10 @@ def _stage_file(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     dest = _destination(filename)
 
     def snapshot(budget: int) -> Optional[tuple[Callable[[str], None], Held]]:
-        metadata = args[2] if len(args) > 2 else kwargs.get("metadata")
-        if metadata is not None and not (
-            isinstance(metadata, dict) and all(isinstance(v, str) for v in [*metadata, *metadata.values()])
-        ):
-            return None  # safetensors refuses it: let it say so at the call
-        copied = copy_specs(args[0] if args else kwargs.get("tensor_dict"), budget)
+        copied = copy_save_file(args, kwargs, budget, what=str(dest))  # every argument as at the call
         if copied is None:
             return None
-        specs, held = copied
-        copy_args, copy_kwargs = ((specs, *args[1:]), kwargs) if args else (args, {**kwargs, "tensor_dict": specs})
-        return functools.partial(_serialize_into, wrapped, copy_args, copy_kwargs, positional), held
+        return functools.partial(_serialize_into, wrapped, copied[0], copied[1], positional), copied[2]
 
     # Not a path we can stage, or a destination a plain save rejects before writing (missing
     # directory, a directory, a trailing slash): let safetensors raise exactly its own error.
@@ -175,20 +167,13 @@ def _torch_save_wrapper(
         # trailing slash): torch raises exactly its own error. A device or FIFO there
         # (torch.save(x, "/dev/null")): torch writes into it, and so must we, never replace it.
         return wrapped(*args, **kwargs)
-    obj = args[0] if args else kwargs.get("obj")
     serialize = functools.partial(_torch_save_into, wrapped, args, kwargs, positional)
 
     def snapshot(budget: int) -> Optional[tuple[Callable[[str], None], Held]]:
-        legacy = args[4] if len(args) > 4 else kwargs.get("_use_new_zipfile_serialization", True)
-        if legacy is False:
-            return None  # the old format pickles by identity in ways a copy does not keep
-        pickle_module = args[2] if len(args) > 2 else kwargs.get("pickle_module", pickle)
-        copied = copy_state(obj, budget, pickle_module)
+        copied = copy_torch_save(args, kwargs, budget, what=str(dest))  # every argument as at the call
         if copied is None:
             return None
-        state, held = copied
-        copy_args, copy_kwargs = ((state, *args[1:]), kwargs) if args else (args, {**kwargs, "obj": state})
-        return functools.partial(_torch_save_into, wrapped, copy_args, copy_kwargs, positional), held
+        return functools.partial(_torch_save_into, wrapped, copied[0], copied[1], positional), copied[2]
 
     begun = _patch.begin_save(dest, torch_save=True)
     if begun is None:
