@@ -26,8 +26,8 @@ from ._config import (
     ENV_LOG_LEVEL,
     ENV_SWITCH,
     env_value,
-    parse_bool,
     resolve,
+    switched_on,
 )
 from ._errors import SafestageError, StagingError
 
@@ -66,17 +66,6 @@ def _configure_logging(environ: Mapping[str, str]) -> None:
             ENV_LOG_LEVEL,
             level_text,
         )
-
-
-def switched_on(environ: Mapping[str, str]) -> bool:
-    """SAFESTAGE=0 wins; otherwise SAFESTAGE=1 or a non-blank SAFESTAGE_DIR turns staging on.
-
-    Raises ConfigError for a SAFESTAGE value that is not a boolean.
-    """
-    switch = env_value(environ, ENV_SWITCH)
-    if switch is not None:
-        return parse_bool(switch, ENV_SWITCH, ENV_SWITCH)
-    return env_value(environ, ENV_DIR) is not None
 
 
 def start_from_environment(environ: Optional[Mapping[str, str]] = None) -> Optional[Stage]:

@@ -329,3 +329,14 @@ def _flag(value: object, option: str, env: Mapping[str, str], variable: str) -> 
     if not isinstance(value, bool):
         raise ConfigError(f"{option}={value!r} from the {option} argument is not a bool")
     return value
+
+
+def switched_on(environ: Mapping[str, str]) -> bool:
+    """SAFESTAGE=0 wins; otherwise SAFESTAGE=1 or a non-blank SAFESTAGE_DIR turns staging on.
+
+    Raises ConfigError for a SAFESTAGE value that is not a boolean.
+    """
+    switch = env_value(environ, ENV_SWITCH)
+    if switch is not None:
+        return parse_bool(switch, ENV_SWITCH, ENV_SWITCH)
+    return env_value(environ, ENV_DIR) is not None

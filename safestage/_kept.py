@@ -559,8 +559,7 @@ def _say_kept(root: Path, message: str) -> None:
 def _environment_root() -> Optional[Path]:
     """The staging root the environment activates on (what the start-up hook of any Python
     process with this environment checked and swept), or None."""
-    from ._autoload import switched_on  # the start-up hook's own rule
-    from ._config import resolve
+    from ._config import resolve, switched_on  # the start-up hook's own rule
     from ._paths import real_directory
 
     try:

@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 
 import safestage
 from safestage import ConfigError, PublishError, StagingError
-from safestage._autoload import switched_on
-from safestage._config import PUBLISH_CHOICES, Settings, resolve
+from safestage._config import PUBLISH_CHOICES, Settings, resolve, switched_on
 
 
 def test_argument_beats_environment_beats_default(tmp_path):

@@ -659,7 +659,7 @@ def _hook_files() -> list[str]:
 def status_report(environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
     """What `safestage status --json` prints (keys in the module docstring)."""
     from .. import is_active
-    from .._autoload import switched_on
+    from .._config import switched_on
 
     env = os.environ if environ is None else environ
     report: dict[str, Any] = {
