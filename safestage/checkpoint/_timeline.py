@@ -54,7 +54,7 @@ log = logging.getLogger("safestage")
 FORMAT = "safestage.set-aside"
 VERSION = 1
 
-_LAST_DIGITS = re.compile(r"(\d+)(?!.*\d)", re.S)
+_LAST_DIGITS = re.compile(r"([0-9]+)(?!.*[0-9])", re.S)  # ASCII digits, as the patterns' steps
 
 
 def series(name: str) -> Optional[tuple[str, str, int]]:

@@ -52,7 +52,7 @@ _DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
     "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }  # fmt: skip
-_DIGITS = re.compile(r"\d+")
+_DIGITS = re.compile(r"[0-9]+")  # ASCII: int() also reads other scripts' digits
 # ``progress(bytes_read, total_bytes)`` after each chunk a deep verify reads (the CLI's bar).
 Progress = Callable[[int, int], None]
 
@@ -213,24 +213,67 @@ def step_of(name: str) -> int:
 @functools.lru_cache(maxsize=64)
 def matcher(pattern: str) -> Callable[[str], Optional[int]]:
     """For an fnmatch ``pattern``, a function giving the step of a name it takes (None: not a
-    candidate). A name is a candidate when it matches and ends in its step number followed only
-    by the pattern's own ending (what follows its last wildcard): ``checkpoint-*`` takes
-    ``checkpoint-500`` (500), never ``checkpoint-500-merged`` (transformers' own
-    ``get_last_checkpoint`` rule); ``epoch=*-step=*.ckpt`` takes the step before ``.ckpt``;
-    ``checkpoint-[0-9]*`` and ``step-?`` work as they read. A pattern without a wildcard
-    names one checkpoint, whose step is its last run of digits."""
-    wild = max(pattern.rfind("*"), pattern.rfind("?"), pattern.rfind("]"))
-    if wild < 0:
+    candidate). The pattern's last run of wildcards (its last ``*`` with any ``?`` or ``[...]``
+    just before it) stands for the step number and must match ASCII digits only, the whole of
+    what it matches; what follows it matches itself. ``checkpoint-*`` takes ``checkpoint-500``
+    (500), never ``checkpoint-500-merged`` (transformers' own ``get_last_checkpoint`` rule),
+    ``checkpoint-500-epoch-2``, ``checkpoint-1e3`` or ``checkpoint-final-v2``;
+    ``epoch=*-step=*.ckpt`` takes ``epoch=3-step=500.ckpt`` (500), never Lightning's re-save
+    ``epoch=3-step=500-v1.ckpt``; ``checkpoint-[0-9]*`` and ``step-?`` work as they read. A
+    pattern without a wildcard names one checkpoint, whose step is its last run of digits."""
+    tokens = _fnmatch_tokens(pattern)
+    wild = [index for index, (_, is_wild) in enumerate(tokens) if is_wild]
+    if not wild:
         return lambda name: step_of(name) if name == pattern else None
-    ending = re.compile(r"(\d+)" + re.escape(pattern[wild + 1 :]) + r"\Z", re.S)
+    last = first = wild[-1]
+    while first > 0 and tokens[first - 1][1]:
+        first -= 1
+    head = "".join(regex for regex, _ in tokens[:first])
+    group = "".join(regex for regex, _ in tokens[first : last + 1])
+    ending = "".join(regex for regex, _ in tokens[last + 1 :])
+    # The lookahead makes the step group all digits: what follows its start is digits, then
+    # the ending, then the end of the name.
+    whole = re.compile(f"{head}(?=[0-9]+{ending}\\Z)({group}){ending}\\Z", re.S)
 
     def step(name: str) -> Optional[int]:
         if not fnmatch.fnmatchcase(name, pattern):
             return None
-        match = ending.search(name)
+        match = whole.match(name)
         return int(match[1]) if match else None
 
     return step
+
+
+def _fnmatch_tokens(pattern: str) -> list[tuple[str, bool]]:
+    """``pattern`` as (regex, is a wildcard) tokens, with fnmatch's meaning: ``*``, ``?``,
+    ``[...]`` (a ``[`` without its ``]`` is itself), any other character itself."""
+    tokens: list[tuple[str, bool]] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        char = pattern[i]
+        i += 1
+        if char == "*":
+            if not tokens or tokens[-1][0] != ".*":
+                tokens.append((".*", True))
+        elif char == "?":
+            tokens.append((".", True))
+        elif char == "[":
+            j = i + (i < n and pattern[i] == "!")
+            j += j < n and pattern[j] == "]"
+            while j < n and pattern[j] != "]":
+                j += 1
+            if j >= n:
+                tokens.append((re.escape(char), False))
+                continue
+            # fnmatch's own translation of one bracket expression, "(?s:[...])\\Z" (ranges,
+            # negation and escapes exactly as fnmatch reads them), without its wrapper.
+            translated = fnmatch.translate(pattern[i - 1 : j + 1])
+            wrapped = translated.startswith("(?s:") and translated.endswith(")\\Z")
+            tokens.append((translated[len("(?s:") : -len(")\\Z")] if wrapped else ".", True))
+            i = j + 1
+        else:
+            tokens.append((re.escape(char), False))
+    return tokens
 
 
 def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem], float]:
