@@ -91,6 +91,7 @@ def test_a_pattern_with_two_wildcards_takes_the_step_of_its_last_one_whole(tmp_p
     assert safestage.prune(run, keep=1, pattern="epoch=*-step=*.ckpt", dry_run=True) == [run / "epoch=0-step=20.ckpt"]
 
 
+@pytest.mark.regression("issue 30 item 2: checkpoint-[0-9]* took checkpoint-1e3 as step 3")
 def test_the_step_is_what_the_last_run_of_wildcards_matches() -> None:
     # checkpoint-[0-9]*: the class and the star together are the step; step-? one digit.
     assert _verify.matcher("checkpoint-[0-9]*")("checkpoint-5") == 5

@@ -150,11 +150,21 @@ def latest_complete(
     return found
 
 
-def list_run_directory(base: Path) -> list[str]:
-    """The names in the run directory ``base``; an OSError that says what to check (a
-    mistyped, unmounted or unreadable run directory must not look like one with no checkpoint)."""
+def candidate_steps(base: Path, pattern: str) -> dict[str, int]:
+    """{name: step} of the entries of the run directory ``base`` that ``pattern`` takes, a
+    symlink never: ``checkpoint-9 -> checkpoint-1`` is a second name of checkpoint-1, judged under
+    its own name only (counting the link would make checkpoint-1 the newest, and a prune would
+    then remove the target of what it kept). An OSError that says what to check when ``base``
+    cannot be listed (a mistyped, unmounted or unreadable run directory must not look like one
+    with no checkpoint)."""
+    takes = matcher(pattern)
+    found = {}
     try:
-        return os.listdir(base)
+        with os.scandir(base) as listing:
+            for entry in listing:
+                step = takes(entry.name)
+                if step is not None and not _is_symlink(entry):
+                    found[entry.name] = step
     except OSError as exc:
         raise type(exc)(
             exc.errno,
@@ -162,6 +172,16 @@ def list_run_directory(base: Path) -> list[str]:
             "directory, that it is mounted and that this user may read it",
             str(base),
         ) from exc
+    return found
+
+
+def _is_symlink(entry: os.DirEntry[str]) -> bool:
+    """From readdir's type where the filesystem gives one, else one lstat; an entry that cannot
+    be inspected is no symlink here (reading it then says why it cannot be read)."""
+    try:
+        return entry.is_symlink()
+    except OSError:
+        return False
 
 
 def find_latest(
@@ -169,8 +189,7 @@ def find_latest(
 ) -> tuple[Optional[Path], list[tuple[Path, str]]]:
     """``latest_complete`` and the newer candidates it skipped as unreadable, with why."""
     base = as_path(parent)
-    listing = list_run_directory(base)
-    steps = {name: step for name in listing if (step := matcher(pattern)(name)) is not None}
+    steps = candidate_steps(base, pattern)
     names = sorted(steps, key=lambda name: steps[name], reverse=True)
     skipped: list[tuple[Path, str]] = []
     for _, group in itertools.groupby(names, key=lambda name: steps[name]):
