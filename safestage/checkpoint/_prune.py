@@ -65,6 +65,7 @@ from ._verify import (
     candidate_steps,
     check,
     describe_error,
+    marker_problem,
     read_commit,
     set_aside_by,
 )
@@ -330,9 +331,13 @@ def _inspect(base: Path, name: str, step: int) -> Optional[_Candidate]:
     unreadable = [p for p in result.problems if p.kind == "unreadable"]
     if unreadable:
         candidate.unreadable = f"{unreadable[0].path}: {unreadable[0].message}"
+    if result.complete:
+        try:
+            candidate.set_aside = set_aside_by(path)
+        except OSError as exc:  # whether it was set aside cannot be told: as any unreadable one
+            candidate.unreadable = marker_problem(exc).message
+            return candidate
     candidate.complete = result.complete
-    if candidate.complete:
-        candidate.set_aside = set_aside_by(path)
     return candidate
 
 

@@ -122,7 +122,10 @@ def verify(
             problem = Problem("", "not-a-directory", f"{directory} {what}")
         return VerifyResult(directory, deep, problems=[problem])
     result = check(directory, manifest, deep=deep, progress=progress)
-    result.set_aside = set_aside_by(directory)
+    try:
+        result.set_aside = set_aside_by(directory)
+    except OSError as exc:
+        result.problems.append(marker_problem(exc))
     return result
 
 
@@ -203,7 +206,11 @@ def find_latest(
         committed.sort(key=lambda item: (item[0], item[1]), reverse=True)
         for _, name, manifest in committed:
             result = check(base / name, manifest, deep=deep)
-            aside = set_aside_by(base / name) if result.complete else None
+            try:
+                aside = set_aside_by(base / name) if result.complete else None
+            except OSError as exc:
+                aside = None
+                result.problems.append(marker_problem(exc))
             if aside is not None:
                 log.info(
                     "safestage.latest_complete: passed over %s: %s", base / name, aside.describe()
@@ -594,14 +601,34 @@ class SetAside:
 
 
 def set_aside_by(directory: Path) -> Optional[SetAside]:
-    """The marker in the checkpoint ``directory``, if a resumed run set it aside."""
+    """The marker in the checkpoint ``directory``, if a resumed run set it aside. Only a marker
+    that is there sets aside: one that opens but cannot be read or parsed still marks it; an
+    open that fails otherwise than "not there" (EIO, or EACCES from a FUSE lookup: the marker may
+    or may not be there) raises the OSError, naming the marker and the errno, and the caller
+    treats the checkpoint as it treats any it cannot read: ``latest_complete`` skips it with a
+    WARNING, retention keeps it without counting it, ``verify`` reports it ``unreadable``."""
+    marker = directory / SET_ASIDE_NAME
     try:
-        with open(directory / SET_ASIDE_NAME, "rb") as handle:
-            document = json.loads(handle.read(1 << 16))
-    except FileNotFoundError:
+        # O_NONBLOCK: a FIFO put there must not hang a resumer.
+        fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        raise type(exc)(
+            exc.errno,
+            f"cannot tell whether a resumed run set it aside: cannot open {marker}: {describe_error(exc)}",
+            str(marker),
+        ) from exc
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            document = json.loads(handle.read(1 << 16))
     except (OSError, ValueError, RecursionError):
-        return SetAside("?", "?")  # a marker we cannot read still marks it
+        return SetAside("?", "?")  # a marker that is there but cannot be read still marks it
     if not isinstance(document, dict):
         return SetAside("?", "?")
     return SetAside(str(document.get("by", "?")), str(document.get("at", "?")))
+
+
+def marker_problem(exc: OSError) -> Problem:
+    """What ``verify`` and the readers say of a checkpoint ``set_aside_by`` could not tell."""
+    return Problem(SET_ASIDE_NAME, "unreadable", exc.strerror or str(exc))
