@@ -166,10 +166,12 @@ class Commit:
             save_dir / record.local,
         )
         commit.staging = _save.staging_root(settings)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(
-                save_dir / _STAGED_COMMIT
-            )  # staged by the failed commit: written anew (O_EXCL)
+        # Staged by the failed commit (killed between staging one and publishing it): written
+        # anew, with O_EXCL. A stale set-aside marker in the way would leave what this commit
+        # abandons not set aside, and latest_complete naming it.
+        for staged in (_STAGED_COMMIT, _STAGED_MARKER):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(save_dir / staged)
         return commit
 
     @classmethod
