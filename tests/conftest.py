@@ -42,6 +42,7 @@ SUITE_VARIABLES = (
     "SAFESTAGE_LONG",  # 1: the long tier, every point of the expensive matrices (_support.long_tier)
     "SAFESTAGE_DCP_KILL_TRIALS",  # test_dcp_kills.py: jobs, one rank SIGKILLed in each DCP save
     "SAFESTAGE_DCP_KILL_SEED",  # test_dcp_kills.py: the seed of the kills
+    "SAFESTAGE_WING_EXAMPLES",  # test_checkpoint_wing_model.py: examples of the state machine
 )
 _suite_settings = _support.SUITE_SETTINGS
 
