@@ -11,7 +11,8 @@ point (the newest complete checkpoint) is never removed; ``latest_complete`` nev
 incomplete, empty, set-aside or non-candidate directory; retention and the timeline
 (docs/retention.md) remove and set aside exactly what the model says.
 
-Examples: SAFESTAGE_WING_EXAMPLES (CI 15, about 20 s on 2 cores; long tier 150), each up to 30 steps.
+Examples: SAFESTAGE_WING_EXAMPLES (CI 40, about 25 s on 2 cores; the long tier 300, about 5 minutes),
+each up to 30 steps.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ with Tap(at=at, action="kill"):
 
 def examples() -> int:
     text = SUITE_SETTINGS.get(EXAMPLES_VARIABLE, "").strip()
-    return int(text) if text else (150 if long_tier() else 15)
+    return int(text) if text else (300 if long_tier() else 40)
 
 
 @dataclass
