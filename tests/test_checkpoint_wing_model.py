@@ -191,11 +191,11 @@ class Wing(RuleBasedStateMachine):
         if keep is not None:
             self._retention(keep, protect=name)
 
-    @rule(step=STEPS, empty=st.booleans())
-    def a_block_that_raises_or_writes_nothing(self, step: int, empty: bool) -> None:
+    @rule(step=STEPS, empty=st.booleans(), background=st.booleans())
+    def a_block_that_raises_or_writes_nothing(self, step: int, empty: bool, background: bool) -> None:
         self._began()
-        with pytest.raises(safestage.StagingError if empty else ZeroDivisionError), \
-                safestage.staged_dir(self.run / f"checkpoint-{step}", self.root, keep=1) as local:  # fmt: skip
+        handle = safestage.staged_dir(self.run / f"checkpoint-{step}", self.root, keep=1, background=background)
+        with pytest.raises(safestage.StagingError if empty else ZeroDivisionError), handle as local:
             if not empty:
                 (local / "model.bin").write_text("never committed")
                 _ = 1 / 0
