@@ -43,6 +43,7 @@ SUITE_VARIABLES = (
     "SAFESTAGE_DCP_KILL_TRIALS",  # test_dcp_kills.py: jobs, one rank SIGKILLed in each DCP save
     "SAFESTAGE_DCP_KILL_SEED",  # test_dcp_kills.py: the seed of the kills
     "SAFESTAGE_SNAPSHOT_EXAMPLES",  # test_background_saves_match_sync.py: Hypothesis examples per test
+    "SAFESTAGE_WING_EXAMPLES",  # test_checkpoint_wing_model.py: examples of the state machine
 )
 _suite_settings = _support.SUITE_SETTINGS
 

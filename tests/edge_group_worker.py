@@ -100,6 +100,8 @@ _sequence.Commit.commit_file = commit_file  # type: ignore[method-assign]
 
 
 def write(local: Path, rank: int, case: dict) -> None:
+    if rank not in case.get("write_ranks", [rank]):
+        return  # this rank's block writes nothing
     save_file({"w": torch.full((case.get("elements", 2048),), float(rank)), "rank": torch.tensor([rank])},
               str(local / f"model-rank{rank}.safetensors"))  # fmt: skip
     (local / "optim").mkdir(exist_ok=True)

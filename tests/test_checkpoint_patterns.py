@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import safestage
+from safestage.checkpoint import _verify
 
 
 def commit(dest: Path, root: Path) -> None:
@@ -45,3 +46,62 @@ def test_a_pattern_without_a_star_still_matches_as_fnmatch(tmp_path: Path, stage
 
     assert safestage.latest_complete(run, "step-?") == run / "step-7"
     assert safestage.latest_complete(run, "step-[0-9]") == run / "step-7"
+
+
+NOT_STEPS = ("checkpoint-500-epoch-2", "checkpoint-final-v2", "checkpoint-1e3", "checkpoint-2.5", "checkpoint- 7",
+             "checkpoint-0x10", "checkpoint-٣")  # the last: an Arabic-Indic three, a Unicode digit  # fmt: skip
+
+
+@pytest.mark.regression("issue 30 item 2: checkpoint-* took checkpoint-500-epoch-2 (step 2), checkpoint-final-v2 "
+                        "and checkpoint-1e3 (step 3, 'newer' than checkpoint-2): keep=/prune removed the first "
+                        "two, latest named the third")
+def test_the_step_wildcard_takes_digits_only_and_a_name_it_does_not_take_is_never_touched(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("checkpoint-1", "checkpoint-2", *NOT_STEPS):
+        commit(run / name, stage_root)
+
+    assert safestage.latest_complete(run) == run / "checkpoint-2"
+    assert safestage.prune(run, keep=1, dry_run=True) == [run / "checkpoint-1"]
+    commit(run / "checkpoint-3", stage_root)  # keep=1 as staged_dir runs it, after the commit
+    with safestage.staged_dir(run / "checkpoint-4", stage_root, keep=1) as local:
+        (local / "model.bin").write_text("4")
+    assert sorted(p.name for p in run.iterdir()) == sorted(("checkpoint-4", *NOT_STEPS))
+    for name in NOT_STEPS:
+        assert safestage.verify(run / name).complete, name
+    assert safestage.latest_complete(run) == run / "checkpoint-4"
+
+
+@pytest.mark.regression("issue 30 item 2: epoch=*-step=*.ckpt took Lightning's re-save epoch=3-step=500-v1.ckpt "
+                        "as step 1")
+def test_a_pattern_with_two_wildcards_takes_the_step_of_its_last_one_whole(tmp_path: Path, stage_root: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("epoch=0-step=20.ckpt", "epoch=3-step=500-v1.ckpt", "epoch=1-x=2-step=30.ckpt"):
+        commit(run / name, stage_root)
+    step = _verify.matcher("epoch=*-step=*.ckpt")
+
+    assert step("epoch=3-step=500.ckpt") == 500
+    assert step("epoch=1-x=2-step=30.ckpt") == 30  # what the first * takes is free
+    assert step("epoch=3-step=500-v1.ckpt") is None  # not step 1: not a step of this pattern at all
+    assert step("epoch=3-step=.ckpt") is None
+    assert safestage.latest_complete(run, "epoch=*-step=*.ckpt") == run / "epoch=1-x=2-step=30.ckpt"
+    assert safestage.prune(run, keep=1, pattern="epoch=*-step=*.ckpt", dry_run=True) == [run / "epoch=0-step=20.ckpt"]
+
+
+@pytest.mark.regression("issue 30 item 2: checkpoint-[0-9]* took checkpoint-1e3 as step 3")
+def test_the_step_is_what_the_last_run_of_wildcards_matches() -> None:
+    # checkpoint-[0-9]*: the class and the star together are the step; step-? one digit.
+    assert _verify.matcher("checkpoint-[0-9]*")("checkpoint-5") == 5
+    assert _verify.matcher("checkpoint-[0-9]*")("checkpoint-1000") == 1000
+    assert _verify.matcher("checkpoint-[0-9]*")("checkpoint-1e3") is None
+    assert _verify.matcher("step-?")("step-7") == 7
+    assert _verify.matcher("step-?")("step-x") is None
+    assert _verify.matcher("step_*")("step_000100") == 100
+    assert _verify.matcher("*checkpoint-*")("b-checkpoint-10") == 10
+    assert _verify.matcher("*checkpoint-*")("checkpoint-10-merged") is None
+    assert _verify.matcher("run[!x]-*")("runa-5") == 5
+    assert _verify.matcher("run[!x]-*")("runx-5") is None
+    assert _verify.matcher("ckpt-*")("ckpt-5\n") is None

@@ -157,13 +157,6 @@ def test_existing_file_keeps_its_mode_new_files_follow_the_umask(tmp_path: Path,
     assert stat.S_IMODE(os.stat(dest / "new.bin").st_mode) == 0o640
 
 
-def test_empty_checkpoint_commits_an_empty_manifest(tmp_path: Path, stage_root: Path) -> None:
-    with safestage.staged_dir(tmp_path / "c", stage_root):
-        pass
-    assert os.listdir(tmp_path / "c") == [COMMIT_NAME]
-    assert safestage.verify(tmp_path / "c", deep=True).complete
-
-
 def test_empty_directories_are_recreated_but_not_required(tmp_path: Path, stage_root: Path) -> None:
     dest = tmp_path / "c"
     with safestage.staged_dir(dest, stage_root) as local:
@@ -267,8 +260,8 @@ def test_a_destination_symlink_to_a_directory_is_followed(tmp_path: Path, stage_
 
 def test_staged_dir_is_single_use(tmp_path: Path, stage_root: Path) -> None:
     commit = safestage.staged_dir(tmp_path / "c", stage_root)
-    with commit:
-        pass
+    with commit as local:
+        (local / "model.bin").write_bytes(b"x")
     with pytest.raises(RuntimeError, match="already used"), commit:
         pass
 

@@ -20,7 +20,7 @@ import pytest
 from _kept_copies import failed_commit, remount
 
 import safestage
-from safestage import PublishError
+from safestage import COMMIT_NAME, PublishError
 from safestage.testing import hostile_mount
 from tests._two_nodes import launch
 
@@ -129,7 +129,15 @@ def group_job(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
     local.mkdir()
     run = base / "run"
     run.mkdir()
+    with safestage.staged_dir(local / "nothing-written", base) as there:  # a commit that must stay
+        (there / "model.bin").write_bytes(b"committed before")
     cases = [
+        # No rank writes anything (sync, then background): refused on every rank, nothing goes;
+        # one rank of four writes: committed.
+        {"name": "nothing-written", "dest": str(local / "nothing-written"), "write_ranks": []},
+        {"name": "nothing-written-background", "dest": str(local / "nothing-written"), "write_ranks": [],
+         "background": True},
+        {"name": "one-rank-wrote", "dest": str(local / "one-rank-wrote"), "write_ranks": [2]},
         # Every rank creates [0, 1] and [1, 2] (torch's default new_group: all ranks call it);
         # then ranks 1 and 2 commit on [1, 2]. Rank 1 belongs to one more group than rank 2.
         {"name": "overlapping-subgroup", "dest": str(local / "sub12"), "precreate": [[0, 1], [1, 2]],
@@ -162,6 +170,31 @@ def _case(group_job: dict[str, Any], name: str) -> list[dict[str, Any]]:
     found = [[e for e in reports[rank]["results"] if e["case"] == name] for rank in range(4)]
     assert all(len(entries) == 1 for entries in found), (name, reports)
     return [entries[0] for entries in found]
+
+
+@pytest.mark.slow
+@pytest.mark.regression("issue 30 item 5: an empty staged_dir block was committed complete (a collective one "
+                        "too, every rank having written nothing)")
+@pytest.mark.parametrize("case", ["nothing-written", "nothing-written-background"])
+def test_a_collective_commit_where_no_rank_wrote_anything_is_refused_on_every_rank_and_nothing_goes(
+    group_job: dict[str, Any], case: str
+) -> None:
+    results = _case(group_job, case)
+    for rank, result in enumerate(results):
+        assert not result["ok"] and result["type"] == "StagingError" and result["errno"] == 2, (rank, result)
+        assert "nothing was written to" in result["error"] and "nor by any other rank" in result["error"], result
+    dest = group_job["local"] / "nothing-written"
+    assert safestage.verify(dest).complete and (dest / "model.bin").read_bytes() == b"committed before"
+    assert sorted(os.listdir(dest)) == sorted([COMMIT_NAME, "model.bin"])
+    for root in group_job["roots"]:  # nothing kept anywhere: there was nothing to keep
+        assert not any("nothing-written" in str(path) for path in root.rglob("*")), list(root.rglob("*"))
+
+
+@pytest.mark.slow
+def test_a_collective_commit_where_one_rank_wrote_is_committed(group_job: dict[str, Any]) -> None:
+    results = _case(group_job, "one-rank-wrote")
+    assert all(result["ok"] and result["files"] == 2 for result in results), results
+    assert safestage.verify(group_job["local"] / "one-rank-wrote", deep=True).complete
 
 
 @pytest.mark.slow

@@ -193,6 +193,32 @@ def test_names_without_a_step_symlinks_files_and_other_patterns_are_never_remove
     assert safestage.verify(elsewhere).complete
 
 
+@pytest.mark.regression("issue 30 item 11: checkpoint-9 -> checkpoint-1 counted as the newest complete checkpoint, "
+                        "latest named it, and prune --keep 1 then removed its target")
+def test_a_symlinked_candidate_is_never_counted_named_or_removed_and_its_target_is_judged_by_its_own_name(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    commit(run / "checkpoint-1", stage_root)
+    commit(run / "checkpoint-2", stage_root)
+    (run / "checkpoint-9").symlink_to("checkpoint-1")
+    (run / "checkpoint-8").symlink_to(run / "checkpoint-2")  # absolute, to the newest itself
+
+    assert safestage.latest_complete(run) == run / "checkpoint-2"
+    assert _cli.main(["latest", str(run)]) == 0
+    assert safestage.prune(run, keep=1, dry_run=True) == [run / "checkpoint-1"]
+    assert subprocess.run([sys.executable, "-m", "safestage", "prune", str(run), "--keep", "1"],
+                          capture_output=True, text=True).returncode == 0  # fmt: skip
+    assert names(run) == ["checkpoint-2", "checkpoint-8", "checkpoint-9"]
+    assert safestage.verify(run / "checkpoint-2").complete
+    # keep=2 counts checkpoint-2 and checkpoint-3, never checkpoint-8 (a second name of 2).
+    with safestage.staged_dir(run / "checkpoint-3", stage_root, keep=2) as local:
+        (local / "model.bin").write_bytes(b"3")
+    assert names(run) == ["checkpoint-2", "checkpoint-3", "checkpoint-8", "checkpoint-9"]
+    assert safestage.latest_complete(run) == run / "checkpoint-3"
+
+
 def test_dry_run_removes_nothing_and_names_what_would_go(tmp_path: Path, stage_root: Path, caplog: Any) -> None:
     run = tmp_path / "run"
     run.mkdir()

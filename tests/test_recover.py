@@ -336,6 +336,30 @@ def test_recover_refuses_one_rank_of_a_distributed_commit_and_a_newer_record(sma
 
 
 @pytest.mark.slow
+@pytest.mark.regression("issue 30 item 7: `recover ROOT --dest RUN` printed 'no kept copy' and exited 0 when RUN's "
+                        "only copy had a record of a newer version; a plain recover refused it and exited 1")
+def test_recover_dest_refuses_a_copy_whose_record_it_cannot_read_as_a_plain_recover_does(small_tmpfs, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    dest = small_tmpfs / "run" / "checkpoint-30"
+    dest.parent.mkdir()
+    local = failed_commit(dest, root, seed=30)
+    remount(small_tmpfs, "16m")
+    (local.parent / KEPT_RECORD).write_text(json.dumps({**record_of(local.parent), "version": 3}))
+    before_root, before_dest = tree(root), tree(dest)
+
+    for dest_argument in (dest.parent, dest):
+        result = recover_cli(str(root), "--dest", str(dest_argument))
+
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert result.stdout.startswith(f"refused  {local} -> {dest}: "), result.stdout
+        assert "written by a newer safestage (version 3" in result.stdout, result.stdout
+        assert "no kept copy" not in result.stdout
+    assert recover_cli(str(root), "--dest", str(small_tmpfs / "elsewhere")).returncode == 0  # not this one's
+    assert tree(root) == before_root and tree(dest) == before_dest
+
+
+@pytest.mark.slow
 def test_a_copy_a_live_process_is_committing_is_not_touched(paced_mounts, tmp_path):
     root = tmp_path / "root"
     root.mkdir()

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -150,3 +153,41 @@ def test_a_copy_kept_by_safestage_0_3_is_refused_by_recover_and_sets_nothing_asi
     assert not (run / "checkpoint-200" / MARKER).exists(), "checkpoint-200 was set aside"
     assert safestage.latest_complete(run) == run / "checkpoint-200"
     assert kept.local.is_dir()
+
+
+# A rollback's commit SIGKILLed after it staged the set-aside marker in its save directory and
+# before it published it (a kill point the model test of the wing found).
+KILLED_WHILE_SETTING_ASIDE = """
+import os, signal, sys
+from pathlib import Path
+import safestage
+from safestage.checkpoint import _sequence
+publish_file = _sequence.publish_file
+def publish_or_die(source, *args, **kwargs):
+    if Path(source).name == "safestage-set-aside.json":
+        os.kill(os.getpid(), signal.SIGKILL)  # the marker staged, not published
+    return publish_file(source, *args, **kwargs)
+_sequence.publish_file = publish_or_die
+with safestage.staged_dir(sys.argv[1], sys.argv[2]) as local:
+    (local / "model.bin").write_text("run 2 step 1")
+"""
+
+
+@pytest.mark.regression("issue 30 section 3: a rollback's commit killed after it staged the set-aside marker: "
+                        "recover committed it, but the marker's staged copy was in the way (EEXIST), so the "
+                        "abandoned checkpoint-2 was not set aside and latest_complete named it")
+def test_recovering_a_rollback_killed_while_it_set_aside_still_sets_aside_what_it_abandoned(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    commit(run / "checkpoint-2", stage_root, "run 1 step 2")
+    child = subprocess.run([sys.executable, "-c", KILLED_WHILE_SETTING_ASIDE, str(run / "checkpoint-1"),
+                            str(stage_root)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert child.returncode == -signal.SIGKILL, child.stderr  # killed where it was meant to be
+    assert not (run / "checkpoint-2" / MARKER).exists()
+
+    assert [result.action for result in safestage.recover(stage_root)] == ["committed"]
+
+    assert safestage.verify(run / "checkpoint-2").set_aside is not None  # run 2 abandoned it
+    assert safestage.latest_complete(run) == run / "checkpoint-1"

@@ -20,8 +20,8 @@ What is never removed: the newest complete checkpoint (``keep`` >= 1) and the on
 committed; a checkpoint a resumed run set aside (``_timeline``: it is never counted either, and
 never named by ``latest_complete``; the new timeline replaces it when it reaches that step, or
 the user deletes it, told once by a WARNING); an incomplete one whose step is not lower than the newest complete one's (a save in
-progress, Megatron-Bridge#5184); anything while no checkpoint is complete; a symlink (nor what
-it points to); one whose commit file or files cannot be read (EACCES, EIO: it cannot be told
+progress, Megatron-Bridge#5184); anything while no checkpoint is complete; a symlink (never a
+candidate: not counted either; what it points to is judged under its own name only); one whose commit file or files cannot be read (EACCES, EIO: it cannot be told
 apart from a complete one); one that a live process is committing or writing into, as far as
 safestage can see it: this process's jobs (``_work``), and other processes of this host whose
 locked save directory in a staging root we know of (the default root, ``SAFESTAGE_DIR``,
@@ -62,10 +62,10 @@ from ._manifest import COMMIT_NAME
 from ._verify import (
     SetAside,
     as_path,
+    candidate_steps,
     check,
     describe_error,
-    list_run_directory,
-    matcher,
+    marker_problem,
     read_commit,
     set_aside_by,
 )
@@ -233,7 +233,6 @@ class _Candidate:
     committed: bool = False
     complete: bool = False
     unreadable: Optional[str] = None
-    symlink: bool = False
     set_aside: Optional[SetAside] = None
 
 
@@ -252,10 +251,8 @@ def plan(
     never remove these either (kernel paths), each for the reason given (the Trainer's
     ``best_model_checkpoint``, which its ``load_best_model_at_end`` loads)."""
     base = as_path(parent)
-    listing = list_run_directory(base)
+    steps = candidate_steps(base, pattern)  # a symlink is none: never counted nor removed
     kernel_base = real_directory(base) or base
-    step_of_name = matcher(pattern)
-    steps = {name: step for name in listing if (step := step_of_name(name)) is not None}
     candidates = []
     for name in sorted(steps, key=lambda n: (steps[n], n), reverse=True):
         candidate = _inspect(base, name, steps[name])
@@ -295,8 +292,6 @@ def plan(
         why_not = None
         if c.step < 0:
             why_not = "no step number in its name: prune never removes it"
-        elif c.symlink:
-            why_not = "a symlink: prune removes neither it nor what it points to"
         elif protect is not None and kernel_base / c.name == protect:
             why_not = "just committed"
         elif spare and kernel_base / c.name in spare:
@@ -307,14 +302,14 @@ def plan(
             why_not = _claim_on(kernel_base / c.name, claims)
         if why_not is not None:
             decisions.append(Decision(path, "keep", f"{why_not} (it would go otherwise: {wanted[c.name]})",
-                                      routine=c.step < 0, loud=c.step >= 0 and not c.symlink))  # fmt: skip
+                                      routine=c.step < 0, loud=c.step >= 0))  # fmt: skip
         else:
             decisions.append(Decision(path, "remove", wanted[c.name]))
     return decisions
 
 
 def _inspect(base: Path, name: str, step: int) -> Optional[_Candidate]:
-    """One entry of the parent, or None if it is no directory (nor a symlink to one)."""
+    """One entry of the parent, or None if it is no directory (a symlink is none either)."""
     path = base / name
     candidate = _Candidate(name, step)
     try:
@@ -324,12 +319,8 @@ def _inspect(base: Path, name: str, step: int) -> Optional[_Candidate]:
     except OSError as exc:
         candidate.unreadable = describe_error(exc)
         return candidate
-    if stat.S_ISLNK(info.st_mode):
-        candidate.symlink = True
-        if not os.path.isdir(path):
-            return None
-    elif not stat.S_ISDIR(info.st_mode):
-        return None  # a file matching the pattern: not a checkpoint
+    if not stat.S_ISDIR(info.st_mode):
+        return None  # a file matching the pattern, or a symlink (made meanwhile): not a checkpoint
     manifest, problem, mtime = read_commit(path)
     if manifest is None:
         if problem is not None and problem.kind == "unreadable":
@@ -340,9 +331,13 @@ def _inspect(base: Path, name: str, step: int) -> Optional[_Candidate]:
     unreadable = [p for p in result.problems if p.kind == "unreadable"]
     if unreadable:
         candidate.unreadable = f"{unreadable[0].path}: {unreadable[0].message}"
+    if result.complete:
+        try:
+            candidate.set_aside = set_aside_by(path)
+        except OSError as exc:  # whether it was set aside cannot be told: as any unreadable one
+            candidate.unreadable = marker_problem(exc).message
+            return candidate
     candidate.complete = result.complete
-    if candidate.complete:
-        candidate.set_aside = set_aside_by(path)
     return candidate
 
 

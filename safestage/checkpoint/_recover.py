@@ -170,11 +170,14 @@ def _kernel_path(path: PathArg) -> Path:
 
 
 def _chosen(found: Found, only: Optional[Path]) -> bool:
+    """Whether ``--dest`` ``only`` takes ``found``: by the destination its record names, even a
+    record this safestage cannot use (a newer version), which is then refused as a plain
+    recover refuses it, never passed over as "no kept copy"."""
     if only is None:
         return True
-    if found.record is None:
-        return False
-    destination = found.record.destination
+    destination = found.destination
+    if destination is None:
+        return False  # no record, or one naming no destination: whose it is cannot be told
     return destination == only or only in destination.parents
 
 

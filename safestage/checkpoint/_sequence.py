@@ -61,7 +61,7 @@ from typing import Any, Callable, Optional, Protocol
 from .. import _save, _work
 from .._clean import remove_dead_temps
 from .._config import PathArg, Settings
-from .._errors import PublishError
+from .._errors import PublishError, StagingError
 from .._interrupts import deferred
 from .._kept import WHOLE, JobIdentity, Part, Record, SaveDir, this_job
 from .._lifecycle import start_worker
@@ -167,10 +167,12 @@ class Commit:
             save_dir / record.local,
         )
         commit.staging = _save.staging_root(settings)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(
-                save_dir / _STAGED_COMMIT
-            )  # staged by the failed commit: written anew (O_EXCL)
+        # Staged by the failed commit (killed between staging one and publishing it): written
+        # anew, with O_EXCL. A stale set-aside marker in the way would leave what this commit
+        # abandons not set aside, and latest_complete naming it.
+        for staged in (_STAGED_COMMIT, _STAGED_MARKER):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(save_dir / staged)
         return commit
 
     @classmethod
@@ -558,12 +560,34 @@ def check(
             commit.keep(stopped, tree=tree)
         raise
     assert tree is not None
+    if not union.files:
+        # Every rank's block wrote nothing (or only directories): committed, an empty checkpoint
+        # would be the newest complete one, and a save that went to the destination itself
+        # (dcp.save(checkpoint_id=dest) in the block) would lose its .metadata to the prepare.
+        # The same on every rank: the union is.
+        commit.discard()
+        raise _nothing_written(commit, collective=commit.part.of != "whole")
     try:
         commit.hand_off(tree)
     except BaseException as failed:
         commit.keep(failed, tree=tree)
         raise
     return tree, union
+
+
+def _nothing_written(commit: Commit, *, collective: bool) -> StagingError:
+    """As ``staged_file`` refuses a save that wrote nothing."""
+    dest, local = commit._opened()
+    return StagingError(
+        errno.ENOENT,
+        f"safestage.staged_dir: nothing was written to {local}{', nor by any other rank' if collective else ''}, "
+        f"so nothing was committed to {dest}. Nothing there was removed (a previous commit, or what a save "
+        "wrote there directly, stays as it is) and no retention ran. Save into the directory the block "
+        "yields (`with safestage.staged_dir(dest) as local:`, then save into local); for DCP, "
+        "dcp.save(state, checkpoint_id=local), or storage_writer=safestage.dcp.StagedWriter(dest) without "
+        "staged_dir.",
+        str(local),
+    )
 
 
 def land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:

@@ -233,7 +233,8 @@ def staged_dir(
     block returns, ``dest``'s commit file is removed, every file is published (``publish``,
     ``fsync`` as for every save; two files at once), then the commit file
     ``_SAFESTAGE_COMMIT.json`` is written last. ``dest`` is created if missing (its parent
-    must exist). If the block raises, nothing is published and ``local`` is removed. If a
+    must exist). If the block raises, nothing is published and ``local`` is removed; so too,
+    with StagingError, if it wrote no file (nothing at ``dest`` is removed). If a
     publish fails, PublishError says which files landed; no commit file is written and the
     local copy is kept (``safestage recover`` commits it). Options are checked here
     (ConfigError), ``dest`` and the staging root when the block starts.

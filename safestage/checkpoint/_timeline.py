@@ -54,7 +54,7 @@ log = logging.getLogger("safestage")
 FORMAT = "safestage.set-aside"
 VERSION = 1
 
-_LAST_DIGITS = re.compile(r"(\d+)(?!.*\d)", re.S)
+_LAST_DIGITS = re.compile(r"([0-9]+)(?!.*[0-9])", re.S)  # ASCII digits, as the patterns' steps
 
 
 def series(name: str) -> Optional[tuple[str, str, int]]:
@@ -92,9 +92,9 @@ def set_aside(dest: Path, started: float, write: Callable[[Path, bytes], None], 
         began = _began(sibling, recorded_only=other[2] < step)
         if began is None:
             continue
-        if other[2] > step and began < started and set_aside_by(sibling) is None:
+        if other[2] > step and began < started and not _marked(sibling):
             target, by, by_step, abandoned, its_step = sibling, dest.name, step, name, other[2]
-        elif other[2] < step and resumed and began > started and set_aside_by(dest) is None:
+        elif other[2] < step and resumed and began > started and not _marked(dest):
             # This copy's run was abandoned before it could land: it lands set aside.
             target, by, by_step, abandoned, its_step = dest, name, other[2], dest.name, step
         else:
@@ -102,6 +102,15 @@ def set_aside(dest: Path, started: float, write: Callable[[Path, bytes], None], 
         if _mark(target, by, by_step, abandoned, its_step, write):
             marked.append(target)
     return marked
+
+
+def _marked(directory: Path) -> bool:
+    """Whether ``directory`` carries a set-aside marker; one that cannot be told (EIO from a
+    lookup) is marked again: the write says so if it fails too."""
+    try:
+        return set_aside_by(directory) is not None
+    except OSError:
+        return False
 
 
 def _began(directory: Path, *, recorded_only: bool) -> Optional[float]:

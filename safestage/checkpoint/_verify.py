@@ -52,7 +52,7 @@ _DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
     "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }  # fmt: skip
-_DIGITS = re.compile(r"\d+")
+_DIGITS = re.compile(r"[0-9]+")  # ASCII: int() also reads other scripts' digits
 # ``progress(bytes_read, total_bytes)`` after each chunk a deep verify reads (the CLI's bar).
 Progress = Callable[[int, int], None]
 
@@ -122,7 +122,10 @@ def verify(
             problem = Problem("", "not-a-directory", f"{directory} {what}")
         return VerifyResult(directory, deep, problems=[problem])
     result = check(directory, manifest, deep=deep, progress=progress)
-    result.set_aside = set_aside_by(directory)
+    try:
+        result.set_aside = set_aside_by(directory)
+    except OSError as exc:
+        result.problems.append(marker_problem(exc))
     return result
 
 
@@ -150,11 +153,21 @@ def latest_complete(
     return found
 
 
-def list_run_directory(base: Path) -> list[str]:
-    """The names in the run directory ``base``; an OSError that says what to check (a
-    mistyped, unmounted or unreadable run directory must not look like one with no checkpoint)."""
+def candidate_steps(base: Path, pattern: str) -> dict[str, int]:
+    """{name: step} of the entries of the run directory ``base`` that ``pattern`` takes, a
+    symlink never: ``checkpoint-9 -> checkpoint-1`` is a second name of checkpoint-1, judged under
+    its own name only (counting the link would make checkpoint-1 the newest, and a prune would
+    then remove the target of what it kept). An OSError that says what to check when ``base``
+    cannot be listed (a mistyped, unmounted or unreadable run directory must not look like one
+    with no checkpoint)."""
+    takes = matcher(pattern)
+    found = {}
     try:
-        return os.listdir(base)
+        with os.scandir(base) as listing:
+            for entry in listing:
+                step = takes(entry.name)
+                if step is not None and not _is_symlink(entry):
+                    found[entry.name] = step
     except OSError as exc:
         raise type(exc)(
             exc.errno,
@@ -162,6 +175,16 @@ def list_run_directory(base: Path) -> list[str]:
             "directory, that it is mounted and that this user may read it",
             str(base),
         ) from exc
+    return found
+
+
+def _is_symlink(entry: os.DirEntry[str]) -> bool:
+    """From readdir's type where the filesystem gives one, else one lstat; an entry that cannot
+    be inspected is no symlink here (reading it then says why it cannot be read)."""
+    try:
+        return entry.is_symlink()
+    except OSError:
+        return False
 
 
 def find_latest(
@@ -169,8 +192,7 @@ def find_latest(
 ) -> tuple[Optional[Path], list[tuple[Path, str]]]:
     """``latest_complete`` and the newer candidates it skipped as unreadable, with why."""
     base = as_path(parent)
-    listing = list_run_directory(base)
-    steps = {name: step for name in listing if (step := matcher(pattern)(name)) is not None}
+    steps = candidate_steps(base, pattern)
     names = sorted(steps, key=lambda name: steps[name], reverse=True)
     skipped: list[tuple[Path, str]] = []
     for _, group in itertools.groupby(names, key=lambda name: steps[name]):
@@ -184,7 +206,11 @@ def find_latest(
         committed.sort(key=lambda item: (item[0], item[1]), reverse=True)
         for _, name, manifest in committed:
             result = check(base / name, manifest, deep=deep)
-            aside = set_aside_by(base / name) if result.complete else None
+            try:
+                aside = set_aside_by(base / name) if result.complete else None
+            except OSError as exc:
+                aside = None
+                result.problems.append(marker_problem(exc))
             if aside is not None:
                 log.info(
                     "safestage.latest_complete: passed over %s: %s", base / name, aside.describe()
@@ -213,24 +239,67 @@ def step_of(name: str) -> int:
 @functools.lru_cache(maxsize=64)
 def matcher(pattern: str) -> Callable[[str], Optional[int]]:
     """For an fnmatch ``pattern``, a function giving the step of a name it takes (None: not a
-    candidate). A name is a candidate when it matches and ends in its step number followed only
-    by the pattern's own ending (what follows its last wildcard): ``checkpoint-*`` takes
-    ``checkpoint-500`` (500), never ``checkpoint-500-merged`` (transformers' own
-    ``get_last_checkpoint`` rule); ``epoch=*-step=*.ckpt`` takes the step before ``.ckpt``;
-    ``checkpoint-[0-9]*`` and ``step-?`` work as they read. A pattern without a wildcard
-    names one checkpoint, whose step is its last run of digits."""
-    wild = max(pattern.rfind("*"), pattern.rfind("?"), pattern.rfind("]"))
-    if wild < 0:
+    candidate). The pattern's last run of wildcards (its last ``*`` with any ``?`` or ``[...]``
+    just before it) stands for the step number and must match ASCII digits only, the whole of
+    what it matches; what follows it matches itself. ``checkpoint-*`` takes ``checkpoint-500``
+    (500), never ``checkpoint-500-merged`` (transformers' own ``get_last_checkpoint`` rule),
+    ``checkpoint-500-epoch-2``, ``checkpoint-1e3`` or ``checkpoint-final-v2``;
+    ``epoch=*-step=*.ckpt`` takes ``epoch=3-step=500.ckpt`` (500), never Lightning's re-save
+    ``epoch=3-step=500-v1.ckpt``; ``checkpoint-[0-9]*`` and ``step-?`` work as they read. A
+    pattern without a wildcard names one checkpoint, whose step is its last run of digits."""
+    tokens = _fnmatch_tokens(pattern)
+    wild = [index for index, (_, is_wild) in enumerate(tokens) if is_wild]
+    if not wild:
         return lambda name: step_of(name) if name == pattern else None
-    ending = re.compile(r"(\d+)" + re.escape(pattern[wild + 1 :]) + r"\Z", re.S)
+    last = first = wild[-1]
+    while first > 0 and tokens[first - 1][1]:
+        first -= 1
+    head = "".join(regex for regex, _ in tokens[:first])
+    group = "".join(regex for regex, _ in tokens[first : last + 1])
+    ending = "".join(regex for regex, _ in tokens[last + 1 :])
+    # The lookahead makes the step group all digits: what follows its start is digits, then
+    # the ending, then the end of the name.
+    whole = re.compile(f"{head}(?=[0-9]+{ending}\\Z)({group}){ending}\\Z", re.S)
 
     def step(name: str) -> Optional[int]:
         if not fnmatch.fnmatchcase(name, pattern):
             return None
-        match = ending.search(name)
+        match = whole.match(name)
         return int(match[1]) if match else None
 
     return step
+
+
+def _fnmatch_tokens(pattern: str) -> list[tuple[str, bool]]:
+    """``pattern`` as (regex, is a wildcard) tokens, with fnmatch's meaning: ``*``, ``?``,
+    ``[...]`` (a ``[`` without its ``]`` is itself), any other character itself."""
+    tokens: list[tuple[str, bool]] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        char = pattern[i]
+        i += 1
+        if char == "*":
+            if not tokens or tokens[-1][0] != ".*":
+                tokens.append((".*", True))
+        elif char == "?":
+            tokens.append((".", True))
+        elif char == "[":
+            j = i + (i < n and pattern[i] == "!")
+            j += j < n and pattern[j] == "]"
+            while j < n and pattern[j] != "]":
+                j += 1
+            if j >= n:
+                tokens.append((re.escape(char), False))
+                continue
+            # fnmatch's own translation of one bracket expression, "(?s:[...])\\Z" (ranges,
+            # negation and escapes exactly as fnmatch reads them), without its wrapper.
+            translated = fnmatch.translate(pattern[i - 1 : j + 1])
+            wrapped = translated.startswith("(?s:") and translated.endswith(")\\Z")
+            tokens.append((translated[len("(?s:") : -len(")\\Z")] if wrapped else ".", True))
+            i = j + 1
+        else:
+            tokens.append((re.escape(char), False))
+    return tokens
 
 
 def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem], float]:
@@ -532,14 +601,34 @@ class SetAside:
 
 
 def set_aside_by(directory: Path) -> Optional[SetAside]:
-    """The marker in the checkpoint ``directory``, if a resumed run set it aside."""
+    """The marker in the checkpoint ``directory``, if a resumed run set it aside. Only a marker
+    that is there sets aside: one that opens but cannot be read or parsed still marks it; an
+    open that fails otherwise than "not there" (EIO, or EACCES from a FUSE lookup: the marker may
+    or may not be there) raises the OSError, naming the marker and the errno, and the caller
+    treats the checkpoint as it treats any it cannot read: ``latest_complete`` skips it with a
+    WARNING, retention keeps it without counting it, ``verify`` reports it ``unreadable``."""
+    marker = directory / SET_ASIDE_NAME
     try:
-        with open(directory / SET_ASIDE_NAME, "rb") as handle:
-            document = json.loads(handle.read(1 << 16))
-    except FileNotFoundError:
+        # O_NONBLOCK: a FIFO put there must not hang a resumer.
+        fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        raise type(exc)(
+            exc.errno,
+            f"cannot tell whether a resumed run set it aside: cannot open {marker}: {describe_error(exc)}",
+            str(marker),
+        ) from exc
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            document = json.loads(handle.read(1 << 16))
     except (OSError, ValueError, RecursionError):
-        return SetAside("?", "?")  # a marker we cannot read still marks it
+        return SetAside("?", "?")  # a marker that is there but cannot be read still marks it
     if not isinstance(document, dict):
         return SetAside("?", "?")
     return SetAside(str(document.get("by", "?")), str(document.get("at", "?")))
+
+
+def marker_problem(exc: OSError) -> Problem:
+    """What ``verify`` and the readers say of a checkpoint ``set_aside_by`` could not tell."""
+    return Problem(SET_ASIDE_NAME, "unreadable", exc.strerror or str(exc))

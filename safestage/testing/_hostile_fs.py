@@ -256,9 +256,14 @@ class HostileFS(Operations):  # type: ignore[misc]
         policy: Policy,
         counter: FaultCounter,
         mbps: Optional[float] = None,
+        lookup_errors: Optional[dict[str, int]] = None,
     ) -> None:
         self.root = os.path.realpath(backing)
         self.policy = policy
+        # name or path (relative to the mount) -> errno: a lookup of that path, or of an entry of
+        # that name in any directory, fails so (a FUSE server answering EIO or EACCES to one
+        # lookup, whether or not the entry is there).
+        self.lookup_errors = dict(lookup_errors or {})
         self.counter = counter
         self.throttle = Throttle(mbps) if mbps else None
         self._lock = threading.RLock()
@@ -325,6 +330,10 @@ class HostileFS(Operations):  # type: ignore[misc]
         if handle is not None:
             # fstat: still right for an open file that was unlinked or renamed meanwhile.
             return _stat_dict(os.fstat(handle.fd))
+        if path is not None and self.lookup_errors:
+            err = self.lookup_errors.get(path.lstrip("/"), self.lookup_errors.get(os.path.basename(path)))
+            if err is not None:
+                raise self.counter.fire("lookup", err, path)
         return _stat_dict(os.lstat(self._full(path)))
 
     def access(self, path: str, amode: int) -> int:

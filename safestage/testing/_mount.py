@@ -155,7 +155,7 @@ class HostileMount:
 
     Use :func:`hostile_mount` or this class as a context manager. Attributes: ``path`` (the
     mountpoint), ``backing`` (the directory really holding the bytes), ``mode``, ``mbps``
-    (write throttle or None), ``server_pid``. :meth:`faults` returns how often each fault fired.
+    (write throttle or None), ``lookup_errors``, ``server_pid``. :meth:`faults` returns how often each fault fired.
     """
 
     def __init__(
@@ -166,6 +166,7 @@ class HostileMount:
         mbps: Optional[float] = None,
         backing: Optional[PathLike] = None,
         timeout: float = MOUNT_TIMEOUT,
+        lookup_errors: Optional[dict[str, int]] = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown hostile mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -175,6 +176,7 @@ class HostileMount:
         # The throttle applies to any mode given mbps; "slow" defaults it to 200 MB/s.
         self.mbps: Optional[float] = mbps if mbps is not None else (DEFAULT_SLOW_MBPS if mode == "slow" else None)
         self.timeout = timeout
+        self.lookup_errors = dict(lookup_errors or {})
         self._requested_path = path
         self._requested_backing = backing
         self.path = Path()
@@ -315,6 +317,8 @@ class HostileMount:
         ]  # fmt: skip
         if self.mbps is not None:
             cmd += ["--mbps", repr(float(self.mbps))]
+        for name, err in self.lookup_errors.items():
+            cmd += ["--lookup-error", f"{name}={int(err)}"]
         for directory in self._owned_dirs:
             cmd += ["--orphan-cleanup", str(directory)]
         return cmd
@@ -471,15 +475,18 @@ def hostile_mount(
     path: Optional[PathLike] = None,
     mbps: Optional[float] = None,
     backing: Optional[PathLike] = None,
+    lookup_errors: Optional[dict[str, int]] = None,
 ) -> Iterator[HostileMount]:
     """Mount a hostile filesystem for the duration of a ``with`` block.
 
     ``path``: the mountpoint (created if missing, must be empty; None: a fresh temp dir).
     ``backing``: where the bytes really go (None: a fresh temp dir under the system temp dir,
     removed afterwards; a given directory is kept). ``mbps``: throttle writes to that many MB/s
-    (mode ``slow`` defaults to 200). Unmounts even if the block raises.
+    (mode ``slow`` defaults to 200). ``lookup_errors``: {name or path: errno}, a lookup of that
+    path (relative to the mountpoint), or of an entry of that name in any directory, fails with
+    that errno (counted as the fault ``lookup``), whether or not it exists. Unmounts even if the block raises.
     """
-    mount = HostileMount(mode, path, mbps=mbps, backing=backing)
+    mount = HostileMount(mode, path, mbps=mbps, backing=backing, lookup_errors=lookup_errors)
     mount.start()
     try:
         yield mount

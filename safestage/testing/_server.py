@@ -45,6 +45,13 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         metavar="DIR",
         help="directory the parent would have removed; removed here if the parent dies first",
     )
+    parser.add_argument(
+        "--lookup-error",
+        action="append",
+        default=[],
+        metavar="NAME=ERRNO",
+        help="a lookup of an entry called NAME, in any directory, fails with ERRNO",
+    )
     parser.add_argument("--debug", action="store_true", help="log every FUSE request (libfuse -d)")
     return parser.parse_args(argv)
 
@@ -117,8 +124,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("unknown mode %r; known: %s", args.mode, ", ".join(sorted(POLICIES)))
         return 2
     mbps = args.mbps if args.mbps is not None else policy.default_mbps
-    counter = FaultCounter(args.faults_file, policy.fault_names())
-    operations = HostileFS(args.backing, policy, counter, mbps=mbps)
+    lookup_errors = {name: int(err) for name, _, err in (item.rpartition("=") for item in args.lookup_error)}
+    names = policy.fault_names() + (("lookup",) if lookup_errors else ())
+    counter = FaultCounter(args.faults_file, names)
+    operations = HostileFS(args.backing, policy, counter, mbps=mbps, lookup_errors=lookup_errors)
 
     orphaned, loop_done = threading.Event(), threading.Event()
     if args.parent_pid is not None:
