@@ -105,3 +105,36 @@ def test_the_step_is_what_the_last_run_of_wildcards_matches() -> None:
     assert _verify.matcher("run[!x]-*")("runa-5") == 5
     assert _verify.matcher("run[!x]-*")("runx-5") is None
     assert _verify.matcher("ckpt-*")("ckpt-5\n") is None
+
+
+@pytest.mark.regression("issue 30 review: with pattern 'ckpt-1*' the step of ckpt-100 was 0 (what the * matched): "
+                        "latest named ckpt-15 and prune --keep 1 removed ckpt-100, the newest")
+def test_digits_a_pattern_spells_beside_its_step_wildcard_are_part_of_the_step(tmp_path: Path, stage_root: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("ckpt-2", "ckpt-15", "ckpt-100"):  # in step order: no rollback
+        commit(run / name, stage_root)
+
+    assert _verify.matcher("ckpt-1*")("ckpt-100") == 100
+    assert _verify.matcher("ckpt-1*")("ckpt-2") is None and _verify.matcher("ckpt-1*")("ckpt-1") is None
+    assert _verify.matcher("step_*00")("step_500") == 500  # digits after it too
+    assert safestage.latest_complete(run, "ckpt-1*") == run / "ckpt-100"
+    assert safestage.prune(run, keep=1, pattern="ckpt-1*") == [run / "ckpt-15"]
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt-100", "ckpt-2"]
+
+
+@pytest.mark.regression("issue 30 review: a bracket escaping one character just before the step wildcard "
+                        "('ckpt[[]*', which keep= makes of 'ckpt[100') joined the step, which then took nothing: "
+                        "keep= never pruned and latest found nothing")
+def test_a_bracket_of_one_character_before_the_step_is_that_character(tmp_path: Path, stage_root: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("ckpt[50", "ckpt[90"):
+        commit(run / name, stage_root)
+    with safestage.staged_dir(run / "ckpt[100", stage_root, keep=2) as local:  # keep=: pattern ckpt[[]*
+        (local / "model.bin").write_text("100")
+
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt[100", "ckpt[90"]
+    assert safestage.latest_complete(run, "ckpt[[]*") == run / "ckpt[100"
+    assert _verify.matcher("step[*]*")("step*7") == 7 and _verify.matcher("step[*]*")("step7") is None
+    assert _verify.matcher("checkpoint-[5]")("checkpoint-5") == 5  # a pattern without a wildcard left

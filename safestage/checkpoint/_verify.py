@@ -245,21 +245,37 @@ def matcher(pattern: str) -> Callable[[str], Optional[int]]:
     (500), never ``checkpoint-500-merged`` (transformers' own ``get_last_checkpoint`` rule),
     ``checkpoint-500-epoch-2``, ``checkpoint-1e3`` or ``checkpoint-final-v2``;
     ``epoch=*-step=*.ckpt`` takes ``epoch=3-step=500.ckpt`` (500), never Lightning's re-save
-    ``epoch=3-step=500-v1.ckpt``; ``checkpoint-[0-9]*`` and ``step-?`` work as they read. A
-    pattern without a wildcard names one checkpoint, whose step is its last run of digits."""
+    ``epoch=3-step=500-v1.ckpt``; ``checkpoint-[0-9]*`` and ``step-?`` work as they read. The
+    step is the whole run of digits the wildcard's match is in: digits the pattern spells next
+    to it are part of it (``ckpt-1*`` takes ``ckpt-100`` as step 100, never 0, as the timeline
+    and ``keep=`` read that name). A bracket of one character (``[*]``, ``[[]``) is that
+    character, fnmatch's escape, never a wildcard. A pattern without a wildcard names one
+    checkpoint, whose step is its last run of digits."""
     tokens = _fnmatch_tokens(pattern)
     wild = [index for index, (_, is_wild) in enumerate(tokens) if is_wild]
     if not wild:
-        return lambda name: step_of(name) if name == pattern else None
+        return lambda name: step_of(name) if fnmatch.fnmatchcase(name, pattern) else None
     last = first = wild[-1]
     while first > 0 and tokens[first - 1][1]:
         first -= 1
-    head = "".join(regex for regex, _ in tokens[:first])
-    group = "".join(regex for regex, _ in tokens[first : last + 1])
-    ending = "".join(regex for regex, _ in tokens[last + 1 :])
-    # The lookahead makes the step group all digits: what follows its start is digits, then
-    # the ending, then the end of the name.
-    whole = re.compile(f"{head}(?=[0-9]+{ending}\\Z)({group}){ending}\\Z", re.S)
+    lead, trail = first, last + 1  # the digits the pattern spells around the wildcards
+    while lead > 0 and _is_digit(tokens[lead - 1]):
+        lead -= 1
+    while trail < len(tokens) and _is_digit(tokens[trail]):
+        trail += 1
+
+    def regex(part: list[tuple[str, bool]]) -> str:
+        return "".join(text for text, _ in part)
+
+    head, ending = regex(tokens[:lead]), regex(tokens[trail:])
+    # The lookbehind: the step starts a run of digits (a wildcard of the head never takes
+    # some of its digits). The lookahead makes what the wildcards match all digits: from its
+    # start, digits, the spelled digits after it, then the ending, then the end of the name.
+    whole = re.compile(
+        f"{head}(?<![0-9])({regex(tokens[lead:first])}(?=[0-9]+{regex(tokens[last + 1 : trail])}"
+        f"{ending}\\Z){regex(tokens[first:trail])}){ending}\\Z",
+        re.S,
+    )
 
     def step(name: str) -> Optional[int]:
         if not fnmatch.fnmatchcase(name, pattern):
@@ -270,9 +286,15 @@ def matcher(pattern: str) -> Callable[[str], Optional[int]]:
     return step
 
 
+def _is_digit(token: tuple[str, bool]) -> bool:
+    text, is_wild = token
+    return not is_wild and text in "0123456789" and len(text) == 1
+
+
 def _fnmatch_tokens(pattern: str) -> list[tuple[str, bool]]:
     """``pattern`` as (regex, is a wildcard) tokens, with fnmatch's meaning: ``*``, ``?``,
-    ``[...]`` (a ``[`` without its ``]`` is itself), any other character itself."""
+    ``[...]`` (a ``[`` without its ``]`` is itself; a bracket of one character, ``[*]``, is that
+    character, as fnmatch's documentation escapes one), any other character itself."""
     tokens: list[tuple[str, bool]] = []
     i, n = 0, len(pattern)
     while i < n:
@@ -290,6 +312,10 @@ def _fnmatch_tokens(pattern: str) -> list[tuple[str, bool]]:
                 j += 1
             if j >= n:
                 tokens.append((re.escape(char), False))
+                continue
+            if j == i + 1 and pattern[i] != "!":
+                tokens.append((re.escape(pattern[i]), False))  # [*]: the character itself
+                i = j + 1
                 continue
             # fnmatch's own translation of one bracket expression, "(?s:[...])\\Z" (ranges,
             # negation and escapes exactly as fnmatch reads them), without its wrapper.
