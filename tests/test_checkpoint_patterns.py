@@ -9,6 +9,9 @@ Real commits on the local disk.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,3 +141,25 @@ def test_a_bracket_of_one_character_before_the_step_is_that_character(tmp_path: 
     assert safestage.latest_complete(run, "ckpt[[]*") == run / "ckpt[100"
     assert _verify.matcher("step[*]*")("step*7") == 7 and _verify.matcher("step[*]*")("step7") is None
     assert _verify.matcher("checkpoint-[5]")("checkpoint-5") == 5  # a pattern without a wildcard left
+
+
+@pytest.mark.regression("issue 30 review: `safestage latest RUN --pattern 'RUN/checkpoint-*'` said 'no complete "
+                        "checkpoint' and exited 1 (a resume script starts from scratch) where prune refuses the "
+                        "pattern as a usage error")
+@pytest.mark.parametrize("pattern", ["run/checkpoint-*", "checkpoint-*/", ""])
+def test_a_pattern_with_a_directory_part_is_refused_by_latest_as_by_prune(
+    tmp_path: Path, stage_root: Path, pattern: str
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    commit(run / "checkpoint-1", stage_root)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+    for command in ("latest", "prune"):
+        extra = ["--keep", "1"] if command == "prune" else []
+        done = subprocess.run([sys.executable, "-m", "safestage", command, str(run), "--pattern", pattern, *extra],
+                              env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2 and "no '/'" in done.stderr, (command, done.stdout + done.stderr)
+    with pytest.raises(safestage.ConfigError, match="no '/'"):
+        safestage.latest_complete(run, pattern)
+    assert safestage.verify(run / "checkpoint-1").complete

@@ -64,6 +64,7 @@ from ._verify import (
     as_path,
     candidate_steps,
     check,
+    check_pattern,
     describe_error,
     marker_problem,
     read_commit,
@@ -156,16 +157,6 @@ def check_keep(keep: object, where: str) -> int:
             "to keep; the newest complete one is never removed)"
         )
     return keep
-
-
-def check_pattern(pattern: object, where: str) -> str:
-    if not isinstance(pattern, str) or not pattern or "/" in pattern:
-        raise ConfigError(
-            f"{where}: pattern={pattern!r}: expected an fnmatch pattern of checkpoint names "
-            "in the parent directory whose last '*' stands for the step number, such as "
-            "'checkpoint-*' (not empty, no '/')"
-        )
-    return pattern
 
 
 def retention_for(dest: PathArg, keep: object) -> Optional[Retention]:

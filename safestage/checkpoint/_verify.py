@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .._config import PathArg
+from .._errors import ConfigError
 from .._publish import CHUNK_BYTES
 from ._manifest import (
     COMMIT_NAME,
@@ -144,13 +145,26 @@ def latest_complete(
     commit file or one of its files gives EACCES or EIO, or it was written by a newer
     safestage) is logged as a WARNING naming it. A ``parent`` that cannot be listed (missing,
     EACCES, EIO from a FUSE readdir) raises the OSError: a mistyped, unmounted or unreadable
-    run directory must not look like a run with no checkpoint yet."""
+    run directory must not look like a run with no checkpoint yet; a ``pattern`` with a directory
+    part (or empty) raises ConfigError, as for ``prune``: it would take no name."""
+    check_pattern(pattern, "safestage.latest_complete")
     found, skipped = find_latest(parent, pattern, deep=deep)
     for path, why in skipped:
         log.warning(
             "safestage.latest_complete: skipped %s, which could not be read (%s)", path, why
         )
     return found
+
+
+def check_pattern(pattern: object, where: str) -> str:
+    """``pattern`` if it can take names of a directory's entries, else ConfigError."""
+    if not isinstance(pattern, str) or not pattern or "/" in pattern:
+        raise ConfigError(
+            f"{where}: pattern={pattern!r}: expected an fnmatch pattern of checkpoint names "
+            "in the parent directory whose last '*' stands for the step number, such as "
+            "'checkpoint-*' (not empty, no '/')"
+        )
+    return pattern
 
 
 def candidate_steps(base: Path, pattern: str) -> dict[str, int]:

@@ -113,7 +113,7 @@ def _keep_argument(value: str) -> int:
 
 
 def _pattern_argument(value: str) -> str:
-    from ..checkpoint._prune import check_pattern
+    from ..checkpoint._verify import check_pattern
 
     try:
         return check_pattern(value, "--pattern")
@@ -252,7 +252,7 @@ def _parser() -> argparse.ArgumentParser:
         "line on stderr.",
     )
     latest.add_argument("parent", metavar="PARENT", type=Path, help="the directory holding the checkpoints")
-    latest.add_argument("--pattern", metavar="P", default="checkpoint-*",
+    latest.add_argument("--pattern", metavar="P", default="checkpoint-*", type=_pattern_argument,
                         help="fnmatch pattern of checkpoint names whose last * is the step number "
                         "(default: checkpoint-*, which takes checkpoint-500, not checkpoint-500-merged)")  # fmt: skip
     latest.add_argument("--deep", action="store_true", help="verify candidates deeply (reads them)")
