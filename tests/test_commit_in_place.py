@@ -165,3 +165,25 @@ def test_commit_in_place_refuses_a_hostile_file_with_publish_error_naming_it(
     assert name in str(caught.value)
     assert not (directory / COMMIT_NAME).exists()
     assert os.listdir(root) == []
+
+
+@pytest.mark.regression("issue 30 review: commit_in_place of a directory holding no file (none, or only empty "
+                        "subdirectories) committed an empty checkpoint, which latest_complete named as the newest")
+@pytest.mark.parametrize("what", ["nothing", "an-empty-directory", "files-gone-since-its-last-commit"])
+def test_a_directory_holding_no_file_is_never_committed_in_place(tmp_path: Path, root: Path, what: str) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoint-1").mkdir(parents=True)
+    write_checkpoint(run / "checkpoint-1", 1)
+    safestage.commit_in_place(run / "checkpoint-1", root)
+    dest = run / "checkpoint-2"
+    dest.mkdir()
+    if what == "an-empty-directory":
+        (dest / "optimizer").mkdir()
+    elif what == "files-gone-since-its-last-commit":
+        (dest / "model.bin").write_bytes(b"2")
+        safestage.commit_in_place(dest, root)
+        (dest / "model.bin").unlink()
+
+    error = _refused(dest, root, f"{dest} holds no file", "No commit file was written")
+    assert error.errno == errno.ENOENT and error.step == "verify"
+    assert safestage.latest_complete(run) == run / "checkpoint-1"

@@ -48,7 +48,7 @@ def commit_in_place(
        a ``.safetensors`` file's header must parse and its tensors cover the data exactly, a
        ``.json`` file must parse, and every file a ``*.index.json`` weight map names must be
        there. Anything wrong raises PublishError (EBADMSG, ``step="verify"``) naming it, and no
-       commit file is written;
+       commit file is written; so does a directory holding no file (ENOENT);
     4. the commit file is published last, as every commit's (``publish``, ``fsync``, the
        staging root ``root`` holds it for a moment).
 
@@ -83,6 +83,18 @@ def commit_written(dest: Path, settings: Settings, *, started: Optional[float] =
     try:
         staying = commit.prepare(None)
         files, empty = _scan_in_place(dest, staying)
+        if not files:
+            # Committed, an empty checkpoint would be the newest complete one (latest_complete
+            # names it, keep= removes a real one to make room): refused, as a staged_dir block
+            # that wrote nothing is.
+            raise PublishError(
+                errno.ENOENT,
+                f"safestage will not commit {dest}: {dest} holds no file (nothing, or only empty "
+                "directories): nothing to vouch for. No commit file was written: it is not complete "
+                "(verify and latest_complete say so). Commit it once its writers have written it.",
+                str(dest),
+                step="verify",
+            )
         entries, problems = _read_back(dest, files)
         if problems:
             raise PublishError(
