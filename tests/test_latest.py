@@ -157,3 +157,20 @@ def test_readers_take_the_bytes_paths_staged_dir_takes(run_dir: Path, stage_root
     assert safestage.verify(os.fsencode(dest)).complete
     assert safestage.latest_complete(os.fsencode(run_dir)) == dest
     assert safestage.verify(os.fsencode(dest), deep=True).complete
+
+
+@pytest.mark.regression("issue 30 review: 0.4 committed blocks that wrote nothing")
+def test_a_commit_file_listing_no_file_is_never_a_complete_checkpoint(run_dir: Path, stage_root: Path) -> None:
+    older = commit(run_dir, "checkpoint-1", stage_root, 1)
+    empty = commit(run_dir, "checkpoint-2", stage_root, 2)
+    # What 0.4 wrote for a staged_dir block that saved nothing: a commit file listing no file.
+    document = json.loads((empty / COMMIT_NAME).read_bytes())
+    document["files"] = []
+    (empty / COMMIT_NAME).write_text(json.dumps(document))
+    for path in [p for p in empty.rglob("*") if p.name != COMMIT_NAME and p.is_file()]:
+        path.unlink()
+    result = safestage.verify(empty)
+    assert not result.complete and [p.kind for p in result.problems] == ["empty"], result.problems
+    assert safestage.latest_complete(run_dir) == older
+    safestage.prune(run_dir, keep=1)
+    assert (older / "model.safetensors").is_file()  # the newest complete checkpoint stays

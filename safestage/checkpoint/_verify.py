@@ -63,7 +63,7 @@ class Problem:
     """One reason a checkpoint is not complete. ``path`` is relative to the checkpoint ("" for
     the checkpoint itself); ``kind`` is one of not-a-directory, no-commit, bad-commit,
     unsafe-path, missing, not-a-file, unreadable (EACCES, EIO, or a newer format version),
-    size, digest, safetensors."""
+    size, digest, safetensors, empty (a commit file listing no file)."""
 
     path: str
     kind: str
@@ -412,6 +412,13 @@ def check(
             result.bytes_read += count
             progress(result.bytes_read, total)
 
+    if not manifest.files:
+        # A commit of nothing vouches for nothing: 0.4 committed a staged_dir block that saved
+        # no file (or saved it elsewhere), and latest named it, retention counted it.
+        result.problems.append(
+            Problem("", "empty", "the commit file lists no file: nothing was saved into this "
+                    "checkpoint; delete it, or save it again")  # fmt: skip
+        )
     safe_dirs: dict[str, Optional[tuple[str, str]]] = {}  # parent -> (kind, why); None: fine
     for entry in manifest.files:
         result.files_checked += 1
