@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 import safestage
 from safestage._names import parse_stage_dir
@@ -62,3 +63,48 @@ def test_a_dcp_save_that_failed_before_publishing_leaves_no_copy_and_no_commit_i
         removed = safestage.prune(run, keep=1, pattern="step-*")
     assert "this process is committing" not in caplog.text, caplog.text
     assert run / "step-150" in removed, removed
+
+
+class RefusingPlanner(DefaultSavePlanner):
+    """A planner that refuses the state dict (a planning error, as another rank's would be: DCP
+    raises it on every rank before any ``write_data``, and never tells the writer)."""
+
+    def create_local_plan(self) -> Any:
+        raise ValueError("this planner refuses the state dict")
+
+
+def _nothing_in_flight(run: Path, stage_root: Path, refused: Path, caplog: pytest.LogCaptureFixture) -> None:
+    left = [name for name in os.listdir(stage_root) if parse_stage_dir(name) is not None]
+    assert left == [], f"{len(left)} local directories left in the staging root: {left}"
+    with caplog.at_level(logging.INFO, logger="safestage"):
+        removed = safestage.prune(run, keep=1, pattern="step-*")
+    assert "this process is committing" not in caplog.text, caplog.text
+    assert refused in removed, removed
+
+
+@pytest.mark.regression("issue 30 item 8: a DCP save refused before write_data stayed work in flight for the life "
+                        "of the process (overwrite=False, a planning error)")
+@pytest.mark.parametrize("refusal", ["overwrite-false", "planner"])
+def test_a_dcp_save_refused_before_writing_leaves_no_directory_and_no_commit_in_flight(
+    tmp_path: Path, stage_root: Path, caplog: pytest.LogCaptureFixture, refusal: str
+) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (100, 200):
+        save({"w": torch.full((1024,), float(step))}, run / f"step-{step}", stage_root)
+    refused = run / "step-150"
+    refused.mkdir()  # a torn checkpoint: retention's to remove once nothing saves it
+    (refused / (".metadata" if refusal == "overwrite-false" else "__0_0.distcp")).write_bytes(b"")
+    with warnings.catch_warnings(), safestage.staged(stage_root):  # the switch stages DCP's own writer
+        warnings.simplefilter("ignore")
+        for _ in range(3):  # the training loop catches the failure and goes on
+            with pytest.raises(BaseException) as raised:  # DCP's CheckpointException
+                if refusal == "overwrite-false":
+                    dcp.save({"w": torch.ones(1024)}, storage_writer=FileSystemWriter(refused, overwrite=False))
+                else:
+                    dcp.save({"w": torch.ones(1024)}, checkpoint_id=refused, planner=RefusingPlanner())
+            expected = "already exists" if refusal == "overwrite-false" else "refuses the state dict"
+            assert expected in str(raised.value), raised.value  # the refusal fired
+        _nothing_in_flight(run, stage_root, refused, caplog)
