@@ -81,12 +81,13 @@ from ._errors import PublishError
 from ._kept import Part
 from ._mounts import is_local_disk
 from ._publish import Published
-from .checkpoint._manifest import FileEntry, unsafe_path
+from .checkpoint._manifest import COMMIT_NAME, FileEntry, unsafe_path
 from .checkpoint._sequence import (
     VOUCHING,
     Commit,
     Tree,
     destination_directory,
+    invalidate,
     refused,
 )
 
@@ -570,6 +571,7 @@ def under_switch(
     writer = bound.arguments.get("storage_writer")
     staged = staged_for(writer, settings, use_collectives=bound.arguments.get("use_collectives", True))
     if staged is None:
+        _unvouch(writer, settings)
         return save_state_dict(*args, **kwargs)
     bound.arguments["storage_writer"] = staged
     log.debug("dcp.save of %s: staged (%s)", staged.dest, type(writer).__name__)
@@ -622,6 +624,38 @@ def staged_for(writer: Any, settings: Settings, *, use_collectives: bool = True)
     if settings.skip_local_disk and is_local_disk(real.parent):
         return None
     return StagedWriter._wrapping(writer, settings)
+
+
+def _unvouch(writer: Any, settings: Settings) -> None:
+    """A save the switch leaves to ``writer`` writes in place: if its directory holds a commit
+    file (safestage committed it), that file goes first (with its set-aside marker), before DCP
+    writes anything, as every commit removes it before publishing: a re-save killed half-way
+    must never pass ``verify`` under the old commit file. The directory is then not complete to
+    safestage until committed again (``safestage.commit_in_place`` once the save landed)."""
+    path = getattr(writer, "path", None)
+    if path is None:
+        return  # a writer of another kind: where it writes is its own business
+    dest = _destination_of(writer)
+    try:
+        removed = invalidate(dest, fsync=settings.fsync)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # no such directory yet (or not one): nothing to vouch for
+    except OSError as exc:
+        raise PublishError(
+            exc.errno,
+            f"safestage: dcp.save with {type(writer).__qualname__} (left to write in place) would rewrite "
+            f"{dest}, which safestage committed, but its commit file could not be removed first: "
+            f"[Errno {exc.errno}] {exc.strerror}. Nothing was written; remove {dest / COMMIT_NAME} or save "
+            "elsewhere.",
+            str(dest / COMMIT_NAME),
+        ) from exc
+    if removed:
+        log.warning(
+            "safestage: %s is rewritten in place by %s, which staging leaves alone: its commit file was "
+            "removed first, so it is not complete to safestage (verify, latest_complete) until "
+            "committed again (safestage.commit_in_place once the save has landed)",
+            dest, type(writer).__qualname__,
+        )  # fmt: skip
 
 
 def _warn_once(key: str, message: str) -> None:
