@@ -11,6 +11,7 @@ small files, ``meta.pt`` and ``.metadata`` with them, had landed by then)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -60,10 +61,11 @@ def _wait_for(condition: object, what: str, procs: list[subprocess.Popen[bytes]]
 
 
 def _in_flight(dest: Path, before: set[str]) -> bool:
-    """Rank 1's new shard is at least half-way to the destination (its temp file there)."""
+    """The big shard is at least half-way to the destination: its temp file there (a hidden
+    name; the kit's hdfs can rename, so a file is published as a temp renamed into place)."""
     with os.scandir(dest) as listing:
-        return any(entry.name not in before and entry.is_file() and entry.stat().st_size >= BIG * 4 // 2
-                   for entry in listing)  # fmt: skip
+        return any(entry.name not in before and entry.name.startswith(".") and entry.is_file()
+                   and entry.stat().st_size >= BIG * 4 // 2 for entry in listing)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -114,3 +116,40 @@ def _what_a_reader_loads(dest: Path) -> str:
                 f"rank 1's at step {state['own.1'][0].item():g}")  # fmt: skip
     except (Exception, CheckpointException) as exc:
         return f"dcp.load raises {exc!r}"
+
+
+@pytest.mark.mounts
+@pytest.mark.regression("issue 30 item 4: the trust files were published two at a time beside the largest data file")
+def test_a_single_process_commit_publishes_no_trust_file_while_its_data_is_landing(tmp_path: Path, stage_root: Path) -> None:
+    """The same order in a world of one (``staged_dir`` of a DCP save and ``meta.pt``): while the
+    data file is half-way to the destination, no trust file of the re-save is there."""
+    import threading
+
+    seen: list[set[str]] = []
+    with hostile_mount("hdfs", tmp_path / "mnt", mbps=MBPS) as mount:
+        dest = Path(mount.path) / "last.ckpt"
+        for step in (1, 2):
+            before = set(os.listdir(dest)) if dest.exists() else set()
+            stop = threading.Event()
+
+            def watch(before: set[str] = before, stop: threading.Event = stop) -> None:
+                while not stop.is_set():
+                    with contextlib.suppress(FileNotFoundError):
+                        if _in_flight(dest, before):
+                            seen.append(set(os.listdir(dest)))
+                            return
+                    time.sleep(0.005)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            try:
+                with safestage.staged_dir(dest, stage_root) as local:
+                    dcp.save({"own.1": torch.full((BIG,), float(step))}, checkpoint_id=str(local))
+                    torch.save({"step": step}, local / "meta.pt")
+            finally:
+                stop.set()
+                watcher.join()
+            assert len(seen) == step, "the watcher never saw the data file half-way: it tested nothing"
+            trusted = {"meta.pt", ".metadata"} & seen[-1]
+            assert not trusted, f"save {step}: {sorted(trusted)} at the destination while the data was landing: {sorted(seen[-1])}"
+        assert safestage.verify(dest, deep=True).complete
