@@ -39,10 +39,11 @@ of one ``Commit``, in this order:
 
 Agreement. In a collective commit every rank runs these steps for its own files, and the ranks
 agree at five points (``Peers``): started, what was written (their union), prepared, landed,
-committed (and between the two phases of publish). A single process is a world of one whose agreement points are the identity
-(``Alone``); a collective commit's are exchanges over gloo (``_collective``, which holds what
-only a collective needs: the union and its clashes, the heartbeat, naming the rank that
-failed); a DCP save's are DCP's own collectives (its hooks call the steps: ``safestage.dcp``).
+committed (and between the two phases of publish). A single process is a world of one whose
+agreement points are the identity (``Alone``); a collective commit's are exchanges over gloo
+(``_collective``, which holds what only a collective needs: the union and its clashes, the
+heartbeat, naming the rank that failed); a DCP save's are DCP's own collectives (its hooks call
+the steps: ``safestage.dcp``).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def trust_last(files: list[tuple[str, int]]) -> tuple[list[str], list[str]]:
     trust = sorted((path for path, _ in files if path.rpartition("/")[2] in VOUCHING),
                    key=lambda path: (-VOUCHING.index(path.rpartition("/")[2]), path))  # fmt: skip
     return data, trust
+
+
 # Steps whose PublishError is a refusal: nothing was published, the copy is not worth keeping.
 REFUSALS = frozenset({"scan", "inspect", "refused"})
 
@@ -834,7 +837,8 @@ def prepare_destination(
         if not _make_directory(dest):
             step = "invalidate"
             if vouching:  # and the trust files this commit publishes deeper down
-                vouching = (*vouching, *reversed([p for p in trust_last(tree.files)[1] if "/" in p]))
+                deeper = [path for path in trust_last(tree.files)[1] if "/" in path]
+                vouching = (*vouching, *reversed(deeper))
             removed = invalidate(dest, fsync=fsync, vouching=vouching)
             step = "mkdir"
             staying = remove_dead_temps(dest)  # a re-commit: what killed commits left goes now
