@@ -334,8 +334,8 @@ def _say_if_reversioned(local: str) -> None:
     (docs/retention.md), so ``latest_complete`` and ``keep=`` would pass over the newest
     checkpoint without a word."""
     match = _VERSIONED.match(os.path.basename(local.rstrip("/")))
-    if match is None:
-        return
+    if match is None or not any(char in "0123456789" for char in match["base"]):
+        return  # no step in the name (last-v1.ckpt: two callbacks, one directory): not a rollback
     taken = os.path.join(os.path.dirname(local), match["base"] + match["ext"])
     parent = os.path.dirname(os.path.abspath(local))
     if not os.path.lexists(taken) or parent in _said_reversioned:
