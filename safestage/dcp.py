@@ -481,9 +481,11 @@ class StagedWriter(StorageWriter):
         self._save = None
 
     def _abandon(self) -> None:
-        """Remove what a save DCP stopped before this rank published (another rank's planning
-        failed) left here: nothing of it is worth keeping (a copy whose own publish failed
-        was kept already, and is no longer this writer's)."""
+        """End what an earlier save with this writer that DCP stopped half-way left open (a
+        save refused while planning leaves nothing: its local directory opens in write_data;
+        the coordinator's work from prepare_global_plan, if DCP's scatter of the plan failed):
+        nothing of it is worth keeping (a copy whose own publish failed was kept already, and
+        is no longer this writer's)."""
         save, self._save = self._save, None
         if save is not None:
             save.commit.discard()
