@@ -108,3 +108,32 @@ def test_a_dcp_save_refused_before_writing_leaves_no_directory_and_no_commit_in_
             expected = "already exists" if refusal == "overwrite-false" else "refuses the state dict"
             assert expected in str(raised.value), raised.value  # the refusal fired
         _nothing_in_flight(run, stage_root, refused, caplog)
+
+
+@pytest.mark.slow
+@pytest.mark.regression("issue 30 item 8: a planning error on another rank left every rank's save in flight")
+def test_a_dcp_save_another_rank_refused_while_planning_leaves_nothing_in_flight_on_any_rank(tmp_path: Path) -> None:
+    """A real 2-rank job (gloo on CPU): rank 1's planner refuses; rank 0, the coordinator,
+    never hears of it from DCP but leaves no local directory and no work in flight either."""
+    import json
+    import subprocess
+    import sys
+
+    from tests._two_nodes import free_port
+
+    worker = Path(__file__).with_name("dcp_refused_worker.py")
+    results = tmp_path / "results"
+    results.mkdir()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                                    os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path / "step-100"), str(tmp_path / "roots"),
+                               str(results)], env={**env, "RANK": str(rank)}, stderr=subprocess.PIPE)
+             for rank in (0, 1)]  # fmt: skip
+    errors = [proc.communicate(timeout=120)[1].decode(errors="replace") for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], errors
+    for rank in (0, 1):
+        report = json.loads((results / f"rank{rank}.json").read_text())
+        assert "refuses the state dict" in (report["error"] or ""), report  # the refusal fired, on every rank
+        assert report["left"] == [], f"rank {rank} left local directories: {report}"
+        assert report["busy"] == [], f"rank {rank} still counts the save as in flight: {report}"
