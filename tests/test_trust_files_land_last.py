@@ -35,19 +35,22 @@ MBPS = 20.0
 
 
 def _start(dest: Path, root: Path, results: Path) -> list[subprocess.Popen[bytes]]:
+    """The two ranks, each its own session (killed as a whole), its stderr in ``results``."""
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *filter(None, [env.get("PYTHONPATH")])])
-    return [
-        subprocess.Popen([sys.executable, str(WORKER), str(dest), str(root), str(results), str(BIG)],
-                         env={**env, "RANK": str(rank)}, start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        for rank in (0, 1)
-    ]
+    procs = []
+    for rank in (0, 1):
+        with (results / f"stderr-{rank}").open("wb") as stderr:  # the child holds its own copy
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(dest), str(root), str(results), str(BIG)],
+                                          env={**env, "RANK": str(rank)}, start_new_session=True,
+                                          stdout=subprocess.DEVNULL, stderr=stderr))  # fmt: skip
+    return procs
 
 
-def _wait_for(condition: object, what: str, procs: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> None:
+def _wait_for(condition: object, what: str, procs: list[subprocess.Popen[bytes]], results: Path,
+              timeout: float = 120.0) -> None:  # fmt: skip
     deadline = time.monotonic() + timeout
     while not condition():  # type: ignore[operator]
         dead = [proc for proc in procs if proc.poll() is not None]
@@ -55,7 +58,7 @@ def _wait_for(condition: object, what: str, procs: list[subprocess.Popen[bytes]]
             for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
-            errors = b"\n".join(proc.stderr.read() for proc in procs if proc.stderr).decode(errors="replace")
+            errors = "\n".join((results / f"stderr-{rank}").read_text(errors="replace") for rank in (0, 1))
             pytest.fail(f"the job never got to {what}: {errors[-3000:]}")
         time.sleep(0.01)
 
@@ -64,8 +67,13 @@ def _in_flight(dest: Path, before: set[str]) -> bool:
     """The big shard is at least half-way to the destination: its temp file there (a hidden
     name; the kit's hdfs can rename, so a file is published as a temp renamed into place)."""
     with os.scandir(dest) as listing:
-        return any(entry.name not in before and entry.name.startswith(".") and entry.is_file()
-                   and entry.stat().st_size >= BIG * 4 // 2 for entry in listing)  # fmt: skip
+        for entry in listing:
+            if entry.name in before or not entry.name.startswith("."):
+                continue
+            with contextlib.suppress(FileNotFoundError):  # renamed into place meanwhile
+                if entry.is_file() and entry.stat().st_size >= BIG * 4 // 2:
+                    return True
+    return False
 
 
 @pytest.mark.slow
@@ -81,11 +89,11 @@ def test_a_collective_resave_killed_while_a_rank_publishes_leaves_nothing_a_stoc
         dest = Path(mount.path) / "last.ckpt"
         procs = _start(dest, tmp_path / "roots", results)
         try:
-            _wait_for(lambda: all((results / f"saved-1-rank{rank}").exists() for rank in (0, 1)), "step 1", procs)
+            _wait_for(lambda: all((results / f"saved-1-rank{rank}").exists() for rank in (0, 1)), "step 1", procs, results)
             assert safestage.verify(dest).complete
             before = set(os.listdir(dest))
             (results / "go").write_text("")
-            _wait_for(lambda: _in_flight(dest, before), "rank 1's re-save half-way", procs)
+            _wait_for(lambda: _in_flight(dest, before), "rank 1's re-save half-way", procs, results)
         finally:
             for proc in procs:
                 if proc.poll() is None:
