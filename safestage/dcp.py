@@ -15,17 +15,22 @@ vouching for new data files. Here DCP's StorageWriter hooks (storage.py) are the
 points of the one commit sequence (``safestage.checkpoint._sequence``), DCP's own collectives
 carrying what the ranks tell each other:
 
-1. ``set_up_storage_writer`` (every rank): open, a fresh local directory under this rank's own
-   staging root (nodes never share one), and a copy of DCP's writer pointed at it;
+1. ``set_up_storage_writer`` (every rank): a copy of DCP's writer, which plans (its overwrite
+   check included) against the destination as DCP's own writer does; nothing is opened yet: a
+   save refused while planning (``overwrite=False``, a planner's error on any rank, which DCP
+   never tells the writer) leaves no local directory and no work in flight behind;
 2. ``prepare_global_plan`` (the coordinator, before DCP scatters the plan, so before any rank
-   writes): prepare, once: this process's background saves under the destination land, the
-   destination is created, its commit file and the files that make a stock reader trust it
-   (DCP's ``.metadata``, the HuggingFace index) removed, with the temp files of killed commits;
-3. ``write_data`` (every rank): the inner writer writes the rank's files locally; check, hand
-   off (the copy's record says it is this rank's files of a DCP save: never a checkpoint on its
-   own), publish with CRC-32; the local copy goes once they landed, and is kept if a publish
-   fails. The WriteResults carry each file's entry (path, size, CRC-32, global rank) to the
-   coordinator;
+   writes): the save is work in flight of this process from here on (retention spares the
+   checkpoint), and prepare, once: this process's background saves under the destination
+   land, the destination is created, its commit file and the files that make a stock reader
+   trust it (``meta.pt``, the HuggingFace index, DCP's ``.metadata``) removed, with the temp
+   files of killed commits; a refusal here ends the work at once;
+3. ``write_data`` (every rank): open, a fresh local directory under this rank's own staging
+   root (nodes never share one), the inner writer pointed at it writes the rank's files there;
+   check, hand off (the copy's record says it is this rank's files of a DCP save: never a
+   checkpoint on its own), publish with CRC-32; the local copy goes once they landed, and is
+   kept if a publish fails. The WriteResults carry each file's entry (path, size, CRC-32,
+   global rank) to the coordinator;
 4. ``finish`` (the coordinator): the entries are stripped off again, so that ``.metadata``
    holds only DCP's own classes (stock torch unpickles it); the inner writer writes
    ``.metadata`` (the HuggingFace writer: its index, or the consolidated files) locally, they
@@ -59,7 +64,6 @@ import os
 import threading
 import time
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -77,12 +81,13 @@ from ._errors import PublishError
 from ._kept import Part
 from ._mounts import is_local_disk
 from ._publish import Published
-from .checkpoint._manifest import FileEntry, unsafe_path
+from .checkpoint._manifest import COMMIT_NAME, FileEntry, unsafe_path
 from .checkpoint._sequence import (
     VOUCHING,
     Commit,
     Tree,
     destination_directory,
+    invalidate,
     refused,
 )
 
@@ -122,11 +127,12 @@ class _Landed:
 @dataclass
 class _Save:
     """One save on this rank: its commit (the data files until they landed; on the
-    coordinator, ``.metadata`` in ``finish``), the inner writer, and its job."""
+    coordinator, ``.metadata`` in ``finish``), the inner writer, and its job (none while it
+    plans: see the module docstring)."""
 
     commit: Commit
-    inner: Any  # a copy of the StagedWriter's DCP writer, pointed at the local directory
-    job: _work.Job
+    inner: Any  # a copy of the StagedWriter's DCP writer; from write_data on, at the local directory
+    job: Optional[_work.Job] = None
 
     @property
     def dest(self) -> Path:
@@ -225,40 +231,44 @@ class StagedWriter(StorageWriter):
             )
         self._abandon()  # an earlier save with this writer that DCP stopped half-way
         commit = Commit(self.dest, self.settings, part=_part())
-        local = commit.open()  # 1. open
-        job = _work.start("commit", commit.dest or self.dest, self)
-        try:
-            inner = self._inner(local)
-        except BaseException as exc:
-            commit.discard()
-            _work.finish(job, error=exc, seen=True)
-            raise
-        self._save = _Save(commit, inner, job)
+        # The destination is checked now (its parent must exist); the local directory is opened
+        # in write_data, once planning succeeded on every rank (1. open).
+        commit.dest = destination_directory(self.dest)
+        self._save = _Save(commit, self._inner())
+        inner = self._save.inner
         if "kwargs" in inspect.signature(inner.set_up_storage_writer).parameters:
             inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
         else:  # pragma: no cover - torch < 2.6
             inner.set_up_storage_writer(is_coordinator)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        save = self._current()
-        self._check_overwrite(save.dest)
-        result: SavePlan = save.inner.prepare_local_plan(plan)
+        # The inner writer still points at the destination: DCP's own overwrite check.
+        result: SavePlan = self._current().inner.prepare_local_plan(plan)
         return result
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """On the coordinator, before any rank writes: from here on the destination holds no
         commit file and no ``.metadata`` until this save's own land."""
         save = self._current()
-        self._check_plans(plans)
-        layout = Tree(directories=[self._data_dir] if self._data_dir else [])
-        save.commit.prepare(layout, vouching=VOUCHING)  # 4. prepare, once
-        result: list[SavePlan] = save.inner.prepare_global_plan(plans)
+        save.job = _work.start("commit", save.dest, self)
+        try:
+            self._check_plans(plans)
+            layout = Tree(directories=[self._data_dir] if self._data_dir else [])
+            save.commit.prepare(layout, vouching=VOUCHING)  # 4. prepare, once
+            result: list[SavePlan] = save.inner.prepare_global_plan(plans)
+        except BaseException as exc:  # refused: DCP raises it on every rank, no write_data
+            self._end(save, exc)
+            raise
         return result
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._current()
         started = time.perf_counter()
+        if save.job is None:
+            save.job = _work.start("commit", save.dest, self)
         try:
+            local = save.commit.open()  # 1. open: planning succeeded on every rank
+            self._point(save.inner, local)
             written = save.inner.write_data(plan, planner)
             written.wait()
             results: list[WriteResult] = written.value()
@@ -359,14 +369,14 @@ class StagedWriter(StorageWriter):
             raise error
         return f"{self._data_dir}/{name}" if self._data_dir else name
 
-    def _inner(self, local: Path) -> Any:
-        """A copy of the configured writer, writing into ``local`` as it would into ``dest``;
-        its ``.metadata`` names the destination, not the local directory that is gone."""
+    def _inner(self) -> Any:
+        """A copy of the configured writer, which plans against the destination as it would
+        and writes (``_point``) into the local directory; its ``.metadata`` names the
+        destination, not the local directory that is gone."""
         inner = copy.copy(self._writer)
         inner.sync_files = False  # the local copy is not the checkpoint: the publish syncs what lands
         meta = self.storage_meta()
         inner.storage_meta = lambda: meta
-        self._point(inner, local)
         return inner
 
     def _point(self, inner: Any, local: Path, *, reading: Optional[Path] = None) -> None:
@@ -396,20 +406,6 @@ class StagedWriter(StorageWriter):
                 "Nothing was written.",
                 str(self.dest),
             )
-
-    def _check_overwrite(self, dest: Path) -> None:
-        """DCP's writer, on every rank: an existing checkpoint (``.metadata``) is overwritten
-        with a warning, or refused with ``overwrite=False``. The inner writer sees only its
-        fresh local directory, so the destination is looked at here."""
-        if not os.path.exists(dest / METADATA_NAME):
-            return
-        overwrite = getattr(self._writer, "overwrite", True)
-        if not overwrite:
-            raise RuntimeError(f"Checkpoint already exists and self.overwrite={overwrite}.")
-        warnings.warn(
-            f"Detected an existing checkpoint in {dest}, overwriting since self.overwrite={overwrite}.",
-            stacklevel=2,
-        )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -480,18 +476,20 @@ class StagedWriter(StorageWriter):
 
     def _end(self, save: _Save, error: Optional[BaseException] = None) -> None:
         """This rank's part of the save is over: landed, or failed (raised to DCP)."""
-        if not save.job.finished:
+        if save.job is not None and not save.job.finished:
             _work.finish(save.job, error=error, seen=True)
         self._save = None
 
     def _abandon(self) -> None:
-        """Remove what a save DCP stopped before this rank published (another rank's planning
-        failed) left here: nothing of it is worth keeping (a copy whose own publish failed
-        was kept already, and is no longer this writer's)."""
+        """End what an earlier save with this writer that DCP stopped half-way left open (a
+        save refused while planning leaves nothing: its local directory opens in write_data;
+        the coordinator's work from prepare_global_plan, if DCP's scatter of the plan failed):
+        nothing of it is worth keeping (a copy whose own publish failed was kept already, and
+        is no longer this writer's)."""
         save, self._save = self._save, None
         if save is not None:
             save.commit.discard()
-            if not save.job.finished:
+            if save.job is not None and not save.job.finished:
                 _work.finish(save.job, seen=True)
 
 
@@ -575,6 +573,7 @@ def under_switch(
     writer = bound.arguments.get("storage_writer")
     staged = staged_for(writer, settings, use_collectives=bound.arguments.get("use_collectives", True))
     if staged is None:
+        _unvouch(writer, settings)
         return save_state_dict(*args, **kwargs)
     bound.arguments["storage_writer"] = staged
     log.debug("dcp.save of %s: staged (%s)", staged.dest, type(writer).__name__)
@@ -627,6 +626,38 @@ def staged_for(writer: Any, settings: Settings, *, use_collectives: bool = True)
     if settings.skip_local_disk and is_local_disk(real.parent):
         return None
     return StagedWriter._wrapping(writer, settings)
+
+
+def _unvouch(writer: Any, settings: Settings) -> None:
+    """A save the switch leaves to ``writer`` writes in place: if its directory holds a commit
+    file (safestage committed it), that file goes first (with its set-aside marker), before DCP
+    writes anything, as every commit removes it before publishing: a re-save killed half-way
+    must never pass ``verify`` under the old commit file. The directory is then not complete to
+    safestage until committed again (``safestage.commit_in_place`` once the save landed)."""
+    path = getattr(writer, "path", None)
+    if path is None:
+        return  # a writer of another kind: where it writes is its own business
+    dest = _destination_of(writer)
+    try:
+        removed = invalidate(dest, fsync=settings.fsync)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # no such directory yet (or not one): nothing to vouch for
+    except OSError as exc:
+        raise PublishError(
+            exc.errno,
+            f"safestage: dcp.save with {type(writer).__qualname__} (left to write in place) would rewrite "
+            f"{dest}, which safestage committed, but its commit file could not be removed first: "
+            f"[Errno {exc.errno}] {exc.strerror}. Nothing was written; remove {dest / COMMIT_NAME} or save "
+            "elsewhere.",
+            str(dest / COMMIT_NAME),
+        ) from exc
+    if removed:
+        log.warning(
+            "safestage: %s is rewritten in place by %s, which staging leaves alone: its commit file was "
+            "removed first, so it is not complete to safestage (verify, latest_complete) until "
+            "committed again (safestage.commit_in_place once the save has landed)",
+            dest, type(writer).__qualname__,
+        )  # fmt: skip
 
 
 def _warn_once(key: str, message: str) -> None:

@@ -37,7 +37,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -63,6 +65,8 @@ except ImportError:  # only the standalone packages (pytorch-lightning / lightni
     _OTHER_BASE = ""
 
 __all__ = ["StagedCheckpointIO"]
+
+log = logging.getLogger("safestage")
 
 
 class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
@@ -144,6 +148,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
             )
         # TorchCheckpointIO makes the checkpoint's directory (ModelCheckpoint relies on it).
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+        _say_if_reversioned(local)
 
         def write(state: dict[str, Any], staged: str) -> None:
             with _patch.bypass():  # torch_save staging must not stage our staging file again
@@ -274,6 +279,8 @@ def sharded_save(
         return wrapped(*args, **kwargs)  # full: its CheckpointIO; storage_options: Lightning refuses
     path = _local_path(bound.arguments[name])
     dest, staged = strategy.broadcast((path, path is not None and _commits(path, settings)))
+    if dest is not None and getattr(strategy, "is_global_zero", True):
+        _say_if_reversioned(dest)
     if not staged:
         return wrapped(*args, **kwargs)
     import torch.distributed as dist
@@ -312,6 +319,36 @@ def _commits(local: str, settings: Settings) -> bool:
     if _patch.in_unstaged_dir(real):
         return False
     return not (settings.skip_local_disk and is_local_disk(real.parent))
+
+
+# ModelCheckpoint's name for a checkpoint whose name is taken: ``<name>-v<N><ext>``
+# (``CHECKPOINT_JOIN_CHAR``, ``"v"``, the version, ``FILE_EXTENSION``).
+_VERSIONED = re.compile(r"^(?P<base>.+)-v[0-9]+(?P<ext>\.ckpt)$")
+_said_reversioned: set[str] = set()
+
+
+def _say_if_reversioned(local: str) -> None:
+    """A WARNING, once per run directory and process, when ModelCheckpoint named a checkpoint
+    ``...-v<N>.ckpt`` because its name was taken: a run resumed from an older checkpoint reached
+    the same step again. A step pattern (``epoch=*-step=*.ckpt``) never takes that name
+    (docs/retention.md), so ``latest_complete`` and ``keep=`` would pass over the newest
+    checkpoint without a word."""
+    match = _VERSIONED.match(os.path.basename(local.rstrip("/")))
+    if match is None or not any(char in "0123456789" for char in match["base"]):
+        return  # no step in the name (last-v1.ckpt: two callbacks, one directory): not a rollback
+    taken = os.path.join(os.path.dirname(local), match["base"] + match["ext"])
+    parent = os.path.dirname(os.path.abspath(local))
+    if not os.path.lexists(taken) or parent in _said_reversioned:
+        return
+    _said_reversioned.add(parent)
+    log.warning(
+        "safestage: Lightning saves %s under a '-vN' name because %s exists (the run reached that step again, "
+        "resumed from an older checkpoint). A step pattern such as 'epoch=*-step=*.ckpt' never takes a "
+        "'-vN' name: latest_complete and keep= do not see it, and name or keep an older checkpoint "
+        "instead. Resume from it by path (ckpt_path=), or remove %s before the step is saved again. "
+        "Said once per directory.",
+        local, os.path.basename(taken), taken,
+    )  # fmt: skip
 
 
 def _torch_save(checkpoint: dict[str, Any], stream: Any) -> None:

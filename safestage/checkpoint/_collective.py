@@ -27,7 +27,11 @@ All ranks see the same gathered list, so all of them take the same branch afterw
    removes the previous commit file, once, before any rank publishes; the others wait for it.
 4. publishing: every rank publishes its own files, in parallel with the others, exchanging a
    heartbeat every ``HEARTBEAT`` seconds: the timeout bounds a silent rank, never a long
-   upload, and a failure anywhere stops new files everywhere.
+   upload, and a failure anywhere stops new files everywhere. In two phases: the data; then,
+   once every rank's data has landed (the heartbeat of the first phase ends on every rank
+   at once), the files that make a stock reader trust the directory (``meta.pt``,
+   ``.metadata``: ``_sequence.trust_last``), so that no rank's trust file ever lands beside
+   another rank's old data.
 5. landed: every rank's entries (path, size, CRC-32), or which file failed on which rank.
 6. committed: the coordinator writes one commit file listing every file and the rank that
    wrote it, last; every rank returns once it has landed, or raises.

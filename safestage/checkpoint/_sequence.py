@@ -21,12 +21,15 @@ of one ``Commit``, in this order:
 4. prepare (the coordinator, once): this process's background saves of files under the
    destination land first; the destination and its directories are created, its commit file
    removed (a commit killed half-way then leaves no old commit file vouching for a mix of old
-   and new files), with the files that make a stock reader trust it (``VOUCHING``: DCP's
-   ``.metadata``, the HuggingFace index, Lightning's ``meta.pt``) and the temp files killed
-   commits left (``commit_in_place``, whose files are the destination's, removes only the
-   commit file);
+   and new files), with the files that make a stock reader trust it (``VOUCHING``, the trust
+   files: Lightning's ``meta.pt``, then the HuggingFace index, then DCP's ``.metadata``) and
+   the temp files killed commits left (``commit_in_place``, whose files are the
+   destination's, removes only the commit file);
 5. publish: every file by ``_publish.publish_file`` (rename / replace / direct, size checked,
-   modes as for every save), ``COPIES`` at once, its CRC-32 computed while it is copied;
+   modes as for every save), its CRC-32 computed while it is copied: the data ``COPIES`` at
+   once; then, once every rank's data has landed, the trust files, one at a time
+   (``.metadata`` first, ``meta.pt`` last): a commit killed before its commit file never
+   leaves a trust file beside data it does not describe;
 6. commit file (the coordinator): the checkpoints this save's run abandoned are set aside
    (``_timeline``), then the commit file (``_manifest``) is published last, atomically where
    the destination can rename, direct where it cannot (an object store shows it only once
@@ -36,10 +39,11 @@ of one ``Commit``, in this order:
 
 Agreement. In a collective commit every rank runs these steps for its own files, and the ranks
 agree at five points (``Peers``): started, what was written (their union), prepared, landed,
-committed. A single process is a world of one whose agreement points are the identity
-(``Alone``); a collective commit's are exchanges over gloo (``_collective``, which holds what
-only a collective needs: the union and its clashes, the heartbeat, naming the rank that
-failed); a DCP save's are DCP's own collectives (its hooks call the steps: ``safestage.dcp``).
+committed (and between the two phases of publish). A single process is a world of one whose
+agreement points are the identity (``Alone``); a collective commit's are exchanges over gloo
+(``_collective``, which holds what only a collective needs: the union and its clashes, the
+heartbeat, naming the rank that failed); a DCP save's are DCP's own collectives (its hooks call
+the steps: ``safestage.dcp``).
 """
 
 from __future__ import annotations
@@ -87,13 +91,27 @@ COPIES = 2
 # A commit's own files in its save directory, beside (never inside) the local copy.
 _STAGED_COMMIT = "safestage-commit.json"
 _STAGED_MARKER = "safestage-set-aside.json"
-# The files that make a stock reader trust a checkpoint directory without asking safestage:
-# DCP's .metadata (dcp.load opens it first; torchtitan takes a step with it as complete), the
-# HuggingFace index (transformers, DCP's HuggingFace reader) and Lightning's meta.pt (what makes
-# a directory a sharded checkpoint to Lightning). A commit removes them from the destination
-# before it publishes anything, with the commit file: a commit killed half-way then leaves none
-# of them vouching for a mix of old and new files.
-VOUCHING = (".metadata", "model.safetensors.index.json", "meta.pt")
+# The files that make a stock reader trust a checkpoint directory without asking safestage (the
+# trust files): Lightning's meta.pt (what makes a directory a sharded checkpoint to Lightning,
+# which then asks DCP), the HuggingFace index (transformers, DCP's HuggingFace reader) and DCP's
+# .metadata (dcp.load opens it first; torchtitan takes a step with it as complete). A commit
+# removes them from the destination before it publishes anything, with the commit file, in this
+# order (the outermost reader's first); it publishes them after every other file of every rank
+# has landed, one at a time, in the reverse order, just before the commit file. A commit killed
+# at any point then leaves none of them vouching for a mix of old and new files.
+VOUCHING = ("meta.pt", "model.safetensors.index.json", ".metadata")
+
+
+def trust_last(files: list[tuple[str, int]]) -> tuple[list[str], list[str]]:
+    """The paths of ``files`` to publish: the data, largest first; then the trust files (a
+    ``VOUCHING`` name, at any depth), in the order they are published, one at a time."""
+    data = [path for path, _ in sorted(files, key=lambda item: (-item[1], item[0]))
+            if path.rpartition("/")[2] not in VOUCHING]  # fmt: skip
+    trust = sorted((path for path, _ in files if path.rpartition("/")[2] in VOUCHING),
+                   key=lambda path: (-VOUCHING.index(path.rpartition("/")[2]), path))  # fmt: skip
+    return data, trust
+
+
 # Steps whose PublishError is a refusal: nothing was published, the copy is not worth keeping.
 REFUSALS = frozenset({"scan", "inspect", "refused"})
 
@@ -253,35 +271,44 @@ class Commit:
         published: dict[str, Published],
         wait: Optional[Callable[[Work], Optional[BaseException]]] = None,
     ) -> Optional[BaseException]:
-        """Publish every file of ``tree``, largest first, ``COPIES`` at once, into
-        ``published``. Returns this rank's failure (a PublishError saying what landed) or
-        raises an interrupt. After a failure no new file starts and those in flight finish;
-        after an interrupt those in flight stop too (at their next chunk): nothing is copied
-        once this has returned or raised. ``wait``: how to wait for the copies (a collective
-        commit's heartbeat)."""
+        """Publish every file of ``tree`` into ``published`` in two phases: the data, largest
+        first, ``COPIES`` at once; then, once every rank's data has landed, the trust files
+        (``trust_last``), one at a time. Returns this rank's failure (a PublishError saying
+        what landed) or raises an interrupt. After a failure no new file starts and those in
+        flight finish; after an interrupt those in flight stop too (at their next chunk):
+        nothing is copied once this has returned or raised. ``wait``: how to wait for the
+        copies of a phase (a collective commit's heartbeat, which returns once every rank's
+        are done: every rank waits twice, or, once a failure or interrupt anywhere stopped
+        the first phase, every rank once)."""
         dest, local = self._opened()
         assert self.staging is not None
-        order = [path for path, _ in sorted(tree.files, key=lambda item: (-item[1], item[0]))]
-        work = Work(order, _digest_factory)
+        data, trust = trust_last(tree.files)
+        order = data + trust
         publish_one = functools.partial(self._publish_one, local, dest, self.staging.device)
         interrupt: Optional[BaseException] = None
-        try:
-            for index in range(min(self.copies, len(order))):
-                start_worker(
-                    functools.partial(work.run, publish_one), name=f"safestage-commit-{index}"
-                )
-        except BaseException as exc:  # KeyboardInterrupt: stop the copies in flight
-            interrupt = exc
-            work.stop(cancel=True)
-        absorbed = work.wait() if wait is None else wait(work)
-        interrupt = interrupt or absorbed
-        for path in order:
-            if path in work.published:
-                published[path] = work.published[path]
-                self._note_published(dest / path, work.published[path])
+        errors: dict[str, BaseException] = {}
+        for phase, copies in ((data, self.copies), (trust, 1)):
+            work = Work(phase, _digest_factory)
+            try:
+                for index in range(min(copies, len(phase))):
+                    start_worker(
+                        functools.partial(work.run, publish_one), name=f"safestage-commit-{index}"
+                    )
+            except BaseException as exc:  # KeyboardInterrupt: stop the copies in flight
+                interrupt = interrupt or exc
+                work.stop(cancel=True)
+            absorbed = work.wait() if wait is None else wait(work)
+            interrupt = interrupt or absorbed
+            for path in phase:
+                if path in work.published:
+                    published[path] = work.published[path]
+                    self._note_published(dest / path, work.published[path])
+            errors.update(work.errors)
+            if work.stopped:  # a failure or interrupt here or on another rank: no trust file
+                break
         if interrupt is not None:
             raise interrupt
-        failures = [(path, work.errors[path]) for path in order if path in work.errors]
+        failures = [(path, errors[path]) for path in order if path in errors]
         if not failures:
             return None
         first = failures[0][1]
@@ -834,6 +861,9 @@ def prepare_destination(
     try:
         if not _make_directory(dest):
             step = "invalidate"
+            if vouching:  # and the trust files this commit publishes deeper down
+                deeper = [path for path in trust_last(tree.files)[1] if "/" in path]
+                vouching = (*vouching, *reversed(deeper))
             removed = invalidate(dest, fsync=fsync, vouching=vouching)
             step = "mkdir"
             staying = remove_dead_temps(dest)  # a re-commit: what killed commits left goes now
@@ -871,7 +901,8 @@ def invalidate(dest: Path, *, fsync: bool, vouching: tuple[str, ...] = ()) -> bo
     """Remove ``dest``'s commit file, if any, before anything of a new commit is written there:
     a commit killed half-way then leaves no commit file at all, never an old one vouching for a
     mix of old and new files. Then its set-aside marker (the directory is being rewritten, not
-    abandoned) and the ``vouching`` files. True if there was a commit file."""
+    abandoned) and the ``vouching`` files (paths relative to ``dest``), in their order, before
+    any data file is replaced. True if there was a commit file."""
     try:
         os.unlink(dest / COMMIT_NAME)
         removed = True
@@ -970,6 +1001,11 @@ class Work:
         self._digest = digest(self._cancel)
         self.published: dict[str, Published] = {}
         self.errors: dict[str, BaseException] = {}
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a failure or an interrupt (here, or told by another rank) stopped it."""
+        return self._failed.is_set()
 
     def stop(self, *, cancel: bool) -> None:
         with self._done:

@@ -9,11 +9,15 @@ of its series *began* after it did (the commit file's ``started_at``; its ``comm
 commits that did not record it). A save that began earlier and lands later (background commits
 out of order) abandons nothing. So, just before a commit file is published:
 
-- every complete sibling of a higher step whose save began before this one is set aside: a
+- every committed sibling of a higher step whose save began before this one is set aside: a
   small marker file in it (``_SAFESTAGE_SET_ASIDE.json``) says by which checkpoint, when, why;
 - a resumed commit (``safestage recover`` of a copy an earlier run kept) is itself set aside if
-  a complete sibling of a lower step began after it: recovering run 1's checkpoint-400 after
+  a committed sibling of a lower step began after it: recovering run 1's checkpoint-400 after
   run 2 committed 350 lands it complete, and set aside.
+
+A commit reads only what this needs: the parent's listing, and of each higher-step sibling (of
+each lower-step one too, for a resumed commit) its commit file and marker, never its files: a
+commit's cost does not grow with the run's earlier checkpoints (benchmarks/commit_siblings.py).
 
 A commit that does not know when its save began (``commit_in_place`` of a directory someone
 wrote) sets nothing aside.
@@ -47,7 +51,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ._manifest import SET_ASIDE_NAME as MARKER_NAME
-from ._verify import check, read_commit, set_aside_by
+from ._verify import read_commit, set_aside_by
 
 log = logging.getLogger("safestage")
 
@@ -86,6 +90,8 @@ def set_aside(dest: Path, started: float, write: Callable[[Path, bytes], None], 
         other = series(name)
         if other is None or other[:2] != (head, tail) or other[2] == step:
             continue
+        if other[2] < step and not resumed:
+            continue  # the run's earlier checkpoints: only a resumed commit asks about them
         sibling = dest.parent / name
         if sibling.is_symlink():
             continue  # a link may lead into another run: never written through, never followed
@@ -114,10 +120,12 @@ def _marked(directory: Path) -> bool:
 
 
 def _began(directory: Path, *, recorded_only: bool) -> Optional[float]:
-    """When the complete checkpoint ``directory``'s save began (None: not complete, or, with
-    ``recorded_only``, not recorded)."""
+    """When the committed checkpoint ``directory``'s save began (None: no commit file that
+    parses, or, with ``recorded_only``, not recorded). Its commit file only, never its files:
+    a commit's cost must not grow with the checkpoints beside it (a rollback is a matter of
+    when saves began, and a torn sibling is never named by latest_complete anyway)."""
     manifest, _, mtime = read_commit(directory)
-    if manifest is None or not check(directory, manifest, deep=False).complete:
+    if manifest is None:
         return None
     for text in (manifest.started_at, "" if recorded_only else manifest.committed_at):
         if text:

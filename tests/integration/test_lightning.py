@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import pickle
 import stat
@@ -691,3 +692,32 @@ def test_lightning_background_load_by_the_kernels_path_reads_the_new_save(tmp_pa
         loaded = plugin.load_checkpoint(real / "last.ckpt")
         plugin.teardown()
         assert loaded["step"] == 2
+
+
+@pytest.mark.regression("issue 30 item 4: Lightning names a step reached again '...-v1.ckpt', which the documented "
+                        "pattern never takes, so latest named an older checkpoint without a word")
+def test_a_step_reached_again_after_a_resume_is_said_once_since_the_step_pattern_never_takes_its_v1_name(
+    tmp_path, shm_root, caplog
+):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from safestage.lightning import StagedCheckpointIO
+
+    dest = tmp_path / "ckpts"
+
+    def trainer(max_steps: int):
+        return L.Trainer(
+            accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=str(tmp_path), plugins=[StagedCheckpointIO(shm_root)],
+            callbacks=[ModelCheckpoint(dirpath=str(dest), every_n_train_steps=1, save_top_k=-1)],
+        )  # fmt: skip
+
+    trainer(max_steps=3).fit(_tiny_module(), _loader())
+    assert sorted(os.listdir(dest)) == [f"epoch=0-step={step}.ckpt" for step in (1, 2, 3)]
+    with caplog.at_level(logging.WARNING, logger="safestage"):
+        trainer(max_steps=3).fit(_tiny_module(), _loader(), ckpt_path=str(dest / "epoch=0-step=1.ckpt"))
+    assert "epoch=0-step=3-v1.ckpt" in os.listdir(dest)  # Lightning's name for the step reached again
+    said = [r.getMessage() for r in caplog.records if "'-vN' name" in r.getMessage()]
+    assert len(said) == 1, said  # once per directory, not once per checkpoint (step 2 and 3)
+    assert "epoch=0-step=2-v1.ckpt" in said[0] and "latest_complete" in said[0], said
