@@ -415,10 +415,8 @@ def check(
     if not manifest.files:
         # A commit of nothing vouches for nothing: 0.4 committed a staged_dir block that saved
         # no file (or saved it elsewhere), and latest named it, retention counted it.
-        result.problems.append(
-            Problem("", "empty", "the commit file lists no file: nothing was saved into this "
-                    "checkpoint; delete it, or save it again")  # fmt: skip
-        )
+        why = "the commit file lists no file: nothing was saved into this checkpoint; delete it, or save it again"
+        result.problems.append(Problem("", "empty", why))
     safe_dirs: dict[str, Optional[tuple[str, str]]] = {}  # parent -> (kind, why); None: fine
     for entry in manifest.files:
         result.files_checked += 1
