@@ -67,7 +67,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "COMMIT_NAME",
