@@ -469,8 +469,9 @@ def copy_state(
     obj: Any, budget: int, pickle_module: Any = pickle, *, what: Optional[str] = None
 ) -> Optional[tuple[Any, Held]]:
     """The object of a ``torch.save``, copied (see the module docstring); None when it cannot
-    be: another pickle module, storages on CUDA (or any device but the CPU), over the budget
-    (0: never; its storages and what the pickle holds by value together, one reservation).
+    be: another pickle module, storages on CUDA (or any device but the CPU), a set whose copy
+    would iterate in another order, over the budget (0: never; its storages and what the
+    pickle holds by value together, one reservation).
     What torch.save refuses while pickling (an object that cannot be pickled, one storage viewed
     as two dtypes) raises here, at the call, as it would."""
     if pickle_module is not pickle or budget <= 0:
@@ -482,6 +483,10 @@ def copy_state(
     seen: dict[int, int] = {}
 
     def persistent_id(thing: Any) -> Optional[str]:
+        if isinstance(thing, (set, frozenset)) and list(thing) != list(set(list(thing))):
+            # A set pickles in its table's order; one that shrank keeps its big table, and
+            # its copy, built afresh, iterates in another order: the save would differ.
+            raise _NotKept
         if isinstance(thing, torch.storage.TypedStorage):
             untyped, dtype = thing._untyped_storage, thing.dtype
         elif isinstance(thing, torch.UntypedStorage):
@@ -501,7 +506,10 @@ def copy_state(
     pickled = io.BytesIO()
     pickler = pickle.Pickler(pickled, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.persistent_id = persistent_id  # type: ignore[method-assign]
-    pickler.dump(obj)
+    try:
+        pickler.dump(obj)
+    except _NotKept:
+        return None
     if any(storage.device.type != "cpu" for storage in storages):
         return None  # torch.save records each storage's device: a host copy would change it
     sources = [torch.empty(0, dtype=torch.uint8).set_(storage) for storage in storages]
@@ -516,6 +524,10 @@ def copy_state(
     except BaseException:
         held.release()
         raise
+
+
+class _NotKept(Exception):
+    """The object holds something whose copy would not pickle as it does: serialize now."""
 
 
 def _unpickle(pickled: io.BytesIO, copies: list[Any]) -> Any:

@@ -260,3 +260,29 @@ def test_the_default_snapshot_budget_is_a_quarter_of_the_node_shared_by_its_rank
     assert _config.default_budget() == memory // 4 // ranks
     assert _config.resolve(snapshot_budget="50%").snapshot_bytes() == memory // 2 // ranks
     assert _config.resolve(snapshot_budget="1GiB").snapshot_bytes() == 1 << 30  # bytes: per process
+
+
+# -- what lands is what a synchronous save at the call writes ------------------------------------
+
+
+def _a_set_whose_order_a_copy_does_not_keep() -> set[int]:
+    # A set that grew and shrank keeps its big table: 7 and 15 iterate in this order there,
+    # and in the other in any set built afresh from them (a pickle's copy of it).
+    numbers = set(range(100))
+    numbers -= set(range(100)) - {7, 15}
+    assert list(numbers) != list(set(list(numbers)))
+    return numbers
+
+
+@pytest.mark.regression("issue 30 review: a set's order in a copied torch.save state")
+def test_a_background_torch_save_of_a_state_holding_a_set_lands_what_a_sync_save_writes(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    state = {"model": {"w": torch.arange(16.0)}, "seen": _a_set_whose_order_a_copy_does_not_keep(),
+             "frozen": frozenset(_a_set_whose_order_a_copy_does_not_keep())}  # fmt: skip
+    expected = _sync_bytes(tmp_path, state)
+    dest = tmp_path / "state.pt"
+    with safestage.staged(stage_root, background=True, torch_save=True, snapshot_budget="16MiB"):
+        torch.save(state, dest)
+    assert dest.read_bytes() == expected
+    assert _snapshot.pooled_bytes()[0] == 0
