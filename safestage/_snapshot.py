@@ -133,6 +133,9 @@ def _reserve(
                     what or "a save", waited, nbytes, budget, _in_use, ", ".join(holders) or "none",
                 )  # fmt: skip
             _pool.wait(None if said else max(PATIENCE - waited, 0.01))
+        # Made before anything is counted: a Ctrl-C landing in between (as Held() starts)
+        # would count bytes that nothing holds, for the life of the process.
+        held = Held(0, None, key, what)
         reused = None
         if key is not None and _free.get(key):
             reused = _free[key].pop()
@@ -144,7 +147,7 @@ def _reserve(
             if not _free[other]:
                 del _free[other]
         _in_use += nbytes
-        held = Held(nbytes, reused, key, what)
+        held.nbytes, held._buffer = nbytes, reused  # no call in between: no interrupt either
         _holders.add(held)
         return held, reused
 

@@ -4,12 +4,15 @@ budget that holds per node (issue 30)."""
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import safetensors
@@ -19,7 +22,7 @@ from _support import listing
 from safetensors.torch import save_file
 
 import safestage
-from safestage import _config, _snapshot
+from safestage import _config, _interrupts, _snapshot, _work
 
 
 @pytest.fixture(autouse=True)
@@ -286,3 +289,84 @@ def test_a_background_torch_save_of_a_state_holding_a_set_lands_what_a_sync_save
         torch.save(state, dest)
     assert dest.read_bytes() == expected
     assert _snapshot.pooled_bytes()[0] == 0
+
+
+# -- a Ctrl-C at any point ---------------------------------------------------------------------
+
+
+def _interrupted_at_call(number: int, save: Callable[[], None]) -> Optional[str]:
+    """Run ``save`` in this (the main) thread with a KeyboardInterrupt raised as the
+    ``number``-th call into safestage's code starts: where Python runs a SIGINT handler (on
+    entering a function), outside the clean-ups that hold a Ctrl-C back (_interrupts).
+    Returns the function it landed in (None: the save made fewer calls); the
+    KeyboardInterrupt must reach the caller."""
+    home = os.path.dirname(safestage.__file__)
+    count, landed = [0], [None]
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or not frame.f_code.co_filename.startswith(home) or _interrupts._deferring:
+            return
+        if frame.f_code.co_name == "<genexpr>":
+            return  # finalized by any()/all(): a KeyboardInterrupt there is "ignored" by Python itself
+        count[0] += 1
+        if count[0] == number:
+            landed[0] = f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)})"
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    sys.settrace(tracer)
+    try:
+        save()
+    except KeyboardInterrupt:
+        assert landed[0] is not None
+        return landed[0]
+    finally:
+        sys.settrace(None)
+    assert landed[0] is None, f"a Ctrl-C in {landed[0]} did not reach the caller"
+    return None
+
+
+@pytest.mark.regression("issue 30 review: a Ctrl-C between reserving the budget and holding it")
+@pytest.mark.parametrize("writer", ["torch", "safetensors"])
+def test_a_ctrl_c_at_any_call_of_a_background_save_leaks_no_budget_and_leaves_nothing_in_flight(
+    tmp_path: Path, stage_root: Path, writer: str
+) -> None:
+    """Every point of a background save, one by one (the differential test sends its Ctrl-Cs
+    at random times and rarely lands in a window a few bytecodes wide): afterwards nothing of
+    the budget is reserved, no save of the process is still 'in flight' (retention would
+    spare its checkpoint for ever, and Lightning's top-k removal would wait for it), and a
+    file that landed is the synchronous save's."""
+    state: Any = {"model": {"w": torch.arange(64.0), "v": torch.arange(10)}, "step": 3}
+    tensors = {"w": torch.arange(64.0), "v": torch.arange(10)}
+    suffix = ".pt" if writer == "torch" else ".safetensors"
+    walked: list[str] = []
+    for number in itertools.count(1):
+        dest = tmp_path / f"s{number}{suffix}"
+        expected = (_sync_bytes(tmp_path, state, dest.name) if writer == "torch" else None)
+
+        def save(dest: Path = dest) -> None:
+            if writer == "torch":
+                torch.save(state, dest)
+            else:
+                save_file(tensors, str(dest))
+
+        stage = safestage.activate(stage_root, background=True, torch_save=True, snapshot_budget="16MiB")
+        try:
+            landed = _interrupted_at_call(number, save)
+        finally:
+            stage.close()
+        if _snapshot.pooled_bytes()[0]:
+            gc.collect()  # a reservation in a frame of the interrupt's traceback: garbage now
+        assert _snapshot.pooled_bytes()[0] == 0, f"a Ctrl-C in {landed} leaked the budget"
+        assert not _work.busy(), f"a Ctrl-C in {landed} left {_work.busy()}"
+        if dest.exists():
+            if expected is None:
+                save_file(tensors, str(tmp_path / "sync.safetensors"))
+                expected = (tmp_path / "sync.safetensors").read_bytes()
+            assert dest.read_bytes() == expected
+        if landed is None:
+            break
+        walked.append(landed)
+    # The walk went through the copy, the reservation and the hand-off (points shift a little
+    # from run to run: a pooled buffer is reused, a worker is busy).
+    assert len(walked) >= (80 if writer == "torch" else 50), " ".join(walked)
