@@ -28,7 +28,8 @@ buffer, in use or free, counts against the budget (``snapshot_budget`` /
 ranks). A snapshot is one reservation of the budget, taken whole or not at all: its tensors'
 buffer and what the pickle holds by value together (a save that reserved one part and waited
 for the other waited for ever on itself). One that would pass the budget waits for older
-snapshots to land (free buffers are dropped first), holding nothing while it waits, and says
+snapshots to land (free buffers are dropped first; garbage collected once, for a snapshot
+nothing holds but a cycle), holding nothing while it waits, and says
 so at WARNING after ``PATIENCE`` seconds; one bigger than the whole budget is not taken: that
 save serializes before it returns, as before.
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import io
 import logging
 import os
@@ -118,6 +120,12 @@ def _reserve(
     global _in_use
     if nbytes > budget:
         return None
+    if _in_use + nbytes > budget:
+        # A snapshot that nothing uses any more may still count: one in the traceback of a
+        # Ctrl-C that the job of its save records is garbage in a cycle, freed only by the
+        # collector (which a run may have disabled: Megatron's manual GC). Collected here,
+        # once, before waiting for snapshots that may be that one.
+        gc.collect()
     started, said = time.monotonic(), False
     with _pool:
         while _in_use + nbytes > budget:

@@ -370,3 +370,38 @@ def test_a_ctrl_c_at_any_call_of_a_background_save_leaks_no_budget_and_leaves_no
     # The walk went through the copy, the reservation and the hand-off (points shift a little
     # from run to run: a pooled buffer is reused, a worker is busy).
     assert len(walked) >= (80 if writer == "torch" else 50), " ".join(walked)
+
+
+@pytest.mark.regression("issue 30 review: a Ctrl-C's traceback held a snapshot nobody would release")
+def test_a_save_after_a_ctrl_c_that_left_its_snapshot_in_a_traceback_does_not_wait_for_it(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    """A Ctrl-C landing just after a save's snapshot was taken: the snapshot is garbage, but
+    in a cycle (the interrupt, its traceback, the save's job that records it), which only the
+    cyclic collector frees, and it may not run for a long time (gen2). A training loop that
+    catches the Ctrl-C and saves a last checkpoint must not wait for it for ever."""
+    state = {"model": {"w": torch.arange(float(2 << 20))}}  # 8 MiB: two do not fit 12 MiB
+    stage = safestage.activate(stage_root, background=True, torch_save=True, snapshot_budget="12MiB")
+    gc.disable()  # as when the collector does not run in time
+    try:
+        home = os.path.dirname(safestage.__file__)
+
+        def tracer(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_name == "_serialize_later" and frame.f_code.co_filename.startswith(home):
+                sys.settrace(None)
+                raise KeyboardInterrupt
+
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                torch.save(state, tmp_path / "first.pt")
+        finally:
+            sys.settrace(None)
+        assert _snapshot.pooled_bytes()[0] >= 8 << 20  # the fault fired: garbage holds the snapshot
+        _returns(lambda: torch.save(state, tmp_path / "last.pt"), seconds=30)
+    finally:
+        gc.enable()
+        stage.close()
+    assert torch.equal(torch.load(tmp_path / "last.pt")["model"]["w"], state["model"]["w"])
+    gc.collect()
+    assert _snapshot.pooled_bytes()[0] == 0
