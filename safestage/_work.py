@@ -185,6 +185,9 @@ def hand_off(
             )
             job.thread, job.kept = None, kept
     except BaseException as exc:
+        # Not handed (a Ctrl-C as the wait ends, even once it was marked so): its caller's
+        # again, which ends it; else it would be 'in background' for ever and close() wait.
+        job.thread = threading.get_ident()
         not_started(exc)
         raise
     handed = False

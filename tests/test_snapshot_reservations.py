@@ -306,8 +306,8 @@ def _interrupted_at_call(number: int, save: Callable[[], None]) -> Optional[str]
     def tracer(frame: Any, event: str, arg: Any) -> None:
         if event != "call" or not frame.f_code.co_filename.startswith(home) or _interrupts._deferring:
             return
-        if frame.f_code.co_name == "<genexpr>":
-            return  # finalized by any()/all(): a KeyboardInterrupt there is "ignored" by Python itself
+        if frame.f_code.co_name in ("<genexpr>", "__del__"):
+            return  # a finalizer (any() closing its generator): Python itself "ignores" an exception there
         count[0] += 1
         if count[0] == number:
             landed[0] = f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)})"
@@ -405,3 +405,38 @@ def test_a_save_after_a_ctrl_c_that_left_its_snapshot_in_a_traceback_does_not_wa
     assert torch.equal(torch.load(tmp_path / "last.pt")["model"]["w"], state["model"]["w"])
     gc.collect()
     assert _snapshot.pooled_bytes()[0] == 0
+
+
+@pytest.mark.regression("issue 30 review: a Ctrl-C as a background save's wait for a slot ends")
+def test_a_ctrl_c_as_a_save_leaves_its_wait_for_a_worker_ends_it_in_its_caller(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    """The save is marked 'in the background' as its wait for a slot ends, under the lock;
+    a Ctrl-C as that lock is let go (Condition.__exit__, Python code) means no worker runs it:
+    it must end in its caller, not stay 'in the background' (close() and exit waited for it
+    for ever)."""
+    home = os.path.dirname(safestage.__file__)
+    fired: list[str] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        caller = frame.f_back
+        if (event == "call" and frame.f_code.co_name == "__exit__" and caller is not None
+                and caller.f_code.co_name == "hand_off" and caller.f_code.co_filename.startswith(home)):  # fmt: skip
+            fired.append(frame.f_code.co_filename)
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    stage = safestage.activate(stage_root, background=True, torch_save=True, snapshot_budget="16MiB")
+    try:
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                torch.save({"w": torch.arange(64.0)}, tmp_path / "state.pt")
+        finally:
+            sys.settrace(None)
+        assert fired  # the fault fired
+        assert not _work.busy(), _work.busy()
+    finally:
+        stage.close()  # this thread: the lock the interrupt left held is its own (an RLock)
+    assert _snapshot.pooled_bytes()[0] == 0
+    assert not (tmp_path / "state.pt").exists()
