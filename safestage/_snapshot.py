@@ -28,7 +28,8 @@ buffer, in use or free, counts against the budget (``snapshot_budget`` /
 ranks). A snapshot is one reservation of the budget, taken whole or not at all: its tensors'
 buffer and what the pickle holds by value together (a save that reserved one part and waited
 for the other waited for ever on itself). One that would pass the budget waits for older
-snapshots to land (free buffers are dropped first), holding nothing while it waits, and says
+snapshots to land (free buffers are dropped first; garbage collected once, for a snapshot
+nothing holds but a cycle), holding nothing while it waits, and says
 so at WARNING after ``PATIENCE`` seconds; one bigger than the whole budget is not taken: that
 save serializes before it returns, as before.
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import io
 import logging
 import os
@@ -118,6 +120,12 @@ def _reserve(
     global _in_use
     if nbytes > budget:
         return None
+    if _in_use + nbytes > budget:
+        # A snapshot that nothing uses any more may still count: one in the traceback of a
+        # Ctrl-C that the job of its save records is garbage in a cycle, freed only by the
+        # collector (which a run may have disabled: Megatron's manual GC). Collected here,
+        # once, before waiting for snapshots that may be that one.
+        gc.collect()
     started, said = time.monotonic(), False
     with _pool:
         while _in_use + nbytes > budget:
@@ -133,6 +141,9 @@ def _reserve(
                     what or "a save", waited, nbytes, budget, _in_use, ", ".join(holders) or "none",
                 )  # fmt: skip
             _pool.wait(None if said else max(PATIENCE - waited, 0.01))
+        # Made before anything is counted: a Ctrl-C landing in between (as Held() starts)
+        # would count bytes that nothing holds, for the life of the process.
+        held = Held(0, None, key, what)
         reused = None
         if key is not None and _free.get(key):
             reused = _free[key].pop()
@@ -144,7 +155,7 @@ def _reserve(
             if not _free[other]:
                 del _free[other]
         _in_use += nbytes
-        held = Held(nbytes, reused, key, what)
+        held.nbytes, held._buffer = nbytes, reused  # no call in between: no interrupt either
         _holders.add(held)
         return held, reused
 
@@ -469,8 +480,9 @@ def copy_state(
     obj: Any, budget: int, pickle_module: Any = pickle, *, what: Optional[str] = None
 ) -> Optional[tuple[Any, Held]]:
     """The object of a ``torch.save``, copied (see the module docstring); None when it cannot
-    be: another pickle module, storages on CUDA (or any device but the CPU), over the budget
-    (0: never; its storages and what the pickle holds by value together, one reservation).
+    be: another pickle module, storages on CUDA (or any device but the CPU), a set whose copy
+    would iterate in another order, over the budget (0: never; its storages and what the
+    pickle holds by value together, one reservation).
     What torch.save refuses while pickling (an object that cannot be pickled, one storage viewed
     as two dtypes) raises here, at the call, as it would."""
     if pickle_module is not pickle or budget <= 0:
@@ -482,6 +494,10 @@ def copy_state(
     seen: dict[int, int] = {}
 
     def persistent_id(thing: Any) -> Optional[str]:
+        if isinstance(thing, (set, frozenset)) and list(thing) != list(set(list(thing))):
+            # A set pickles in its table's order; one that shrank keeps its big table, and
+            # its copy, built afresh, iterates in another order: the save would differ.
+            raise _NotKept
         if isinstance(thing, torch.storage.TypedStorage):
             untyped, dtype = thing._untyped_storage, thing.dtype
         elif isinstance(thing, torch.UntypedStorage):
@@ -501,7 +517,10 @@ def copy_state(
     pickled = io.BytesIO()
     pickler = pickle.Pickler(pickled, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.persistent_id = persistent_id  # type: ignore[method-assign]
-    pickler.dump(obj)
+    try:
+        pickler.dump(obj)
+    except _NotKept:
+        return None
     if any(storage.device.type != "cpu" for storage in storages):
         return None  # torch.save records each storage's device: a host copy would change it
     sources = [torch.empty(0, dtype=torch.uint8).set_(storage) for storage in storages]
@@ -516,6 +535,10 @@ def copy_state(
     except BaseException:
         held.release()
         raise
+
+
+class _NotKept(Exception):
+    """The object holds something whose copy would not pickle as it does: serialize now."""
 
 
 def _unpickle(pickled: io.BytesIO, copies: list[Any]) -> Any:

@@ -136,6 +136,14 @@ def finish(
         action()
 
 
+def abandon(job: Job, exc: BaseException) -> None:
+    """``job``'s caller raised ``exc`` before the save's pipeline (``running``) took the job
+    (a Ctrl-C as it began): it ends so, seen, never 'in flight' for the life of the process
+    (retention would spare its checkpoint, ``when_idle`` would wait for it)."""
+    if not job.finished and not job.background:
+        finish(job, error=exc, seen=True)
+
+
 @contextlib.contextmanager
 def running(kind: Kind, dest: Path, owner: object, *, job: Optional[Job] = None) -> Iterator[Job]:
     """A job running in the calling thread for the block (``job``: one already started, as
@@ -177,6 +185,9 @@ def hand_off(
             )
             job.thread, job.kept = None, kept
     except BaseException as exc:
+        # Not handed (a Ctrl-C as the wait ends, even once it was marked so): its caller's
+        # again, which ends it; else it would be 'in background' for ever and close() wait.
+        job.thread = threading.get_ident()
         not_started(exc)
         raise
     handed = False

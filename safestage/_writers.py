@@ -28,8 +28,10 @@ from typing import Any, Callable, Optional
 
 from . import _patch
 from ._errors import PublishError, StagingError, as_safetensors_error, as_torch_error
+from ._interrupts import deferred
 from ._paths import resolve_destination
 from ._snapshot import Held, copy_save_file, copy_torch_save, offer, to_host, withdraw
+from ._work import Job, abandon
 
 log = logging.getLogger("safestage")
 
@@ -66,11 +68,6 @@ def _stage_file(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     # directory, a directory, a trailing slash): let safetensors raise exactly its own error.
     # A staged_file's or staged_dir's local directory is staging already (begin_save: None),
     # but a background staged_dir's takes the save (deferred: _save.plan).
-    begun = _patch.begin_save(dest) if dest is not None else None
-    if begun is None or dest is None:
-        return wrapped(*args, **kwargs)
-    owner, job = begun
-
     def serialize(staged: str) -> None:
         if positional:
             call_args = (args[0], staged, *args[2:])
@@ -78,12 +75,21 @@ def _stage_file(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
         else:
             wrapped(*args, **{**kwargs, "filename": staged})
 
+    begun: Optional[tuple[_patch.Owner, Job]] = None
     try:
+        with deferred():  # a Ctrl-C as the save begins is raised where its job is known (below)
+            begun = _patch.begin_save(dest) if dest is not None else None
+        if begun is None or dest is None:
+            return wrapped(*args, **kwargs)
+        owner, job = begun
         with _patch.bypass():  # a wrapper over ours, calling back into us, must not stage twice
             return owner._save(serialize, dest, as_error=as_safetensors_error, needs=_payload_bytes(args, kwargs),
                                job=job, snapshot=snapshot)  # fmt: skip
-    except (PublishError, StagingError) as exc:
-        as_safetensors_error(exc)  # still caught by `except SafetensorError` (issue 9)
+    except BaseException as exc:
+        if isinstance(exc, (PublishError, StagingError)):
+            as_safetensors_error(exc)  # still caught by `except SafetensorError` (issue 9)
+        if begun is not None:
+            abandon(begun[1], exc)
         raise
 
 
@@ -175,16 +181,20 @@ def _torch_save_wrapper(
             return None
         return functools.partial(_torch_save_into, wrapped, copied[0], copied[1], positional), copied[2]
 
-    begun = _patch.begin_save(dest, torch_save=True)
-    if begun is None:
-        return wrapped(*args, **kwargs)
-    owner, job = begun
-
+    begun: Optional[tuple[_patch.Owner, Job]] = None
     try:
+        with deferred():  # a Ctrl-C as the save begins is raised where its job is known (below)
+            begun = _patch.begin_save(dest, torch_save=True)
+        if begun is None:
+            return wrapped(*args, **kwargs)
+        owner, job = begun
         with _patch.bypass():  # the original writes into our staging file: never stage that again
             return owner._save(serialize, dest, as_error=as_torch_error, job=job, snapshot=snapshot)
-    except (PublishError, StagingError) as exc:
-        as_torch_error(exc)  # still caught by `except RuntimeError`, like torch.save's own
+    except BaseException as exc:
+        if isinstance(exc, (PublishError, StagingError)):
+            as_torch_error(exc)  # still caught by `except RuntimeError`, like torch.save's own
+        if begun is not None:
+            abandon(begun[1], exc)
         raise
 
 

@@ -4,12 +4,15 @@ budget that holds per node (issue 30)."""
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import safetensors
@@ -19,7 +22,7 @@ from _support import listing
 from safetensors.torch import save_file
 
 import safestage
-from safestage import _config, _snapshot
+from safestage import _config, _interrupts, _snapshot, _work
 
 
 @pytest.fixture(autouse=True)
@@ -260,3 +263,180 @@ def test_the_default_snapshot_budget_is_a_quarter_of_the_node_shared_by_its_rank
     assert _config.default_budget() == memory // 4 // ranks
     assert _config.resolve(snapshot_budget="50%").snapshot_bytes() == memory // 2 // ranks
     assert _config.resolve(snapshot_budget="1GiB").snapshot_bytes() == 1 << 30  # bytes: per process
+
+
+# -- what lands is what a synchronous save at the call writes ------------------------------------
+
+
+def _a_set_whose_order_a_copy_does_not_keep() -> set[int]:
+    # A set that grew and shrank keeps its big table: 7 and 15 iterate in this order there,
+    # and in the other in any set built afresh from them (a pickle's copy of it).
+    numbers = set(range(100))
+    numbers -= set(range(100)) - {7, 15}
+    assert list(numbers) != list(set(list(numbers)))
+    return numbers
+
+
+@pytest.mark.regression("issue 30 review: a set's order in a copied torch.save state")
+def test_a_background_torch_save_of_a_state_holding_a_set_lands_what_a_sync_save_writes(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    state = {"model": {"w": torch.arange(16.0)}, "seen": _a_set_whose_order_a_copy_does_not_keep(),
+             "frozen": frozenset(_a_set_whose_order_a_copy_does_not_keep())}  # fmt: skip
+    expected = _sync_bytes(tmp_path, state)
+    dest = tmp_path / "state.pt"
+    with safestage.staged(stage_root, background=True, torch_save=True, snapshot_budget="16MiB"):
+        torch.save(state, dest)
+    assert dest.read_bytes() == expected
+    assert _snapshot.pooled_bytes()[0] == 0
+
+
+# -- a Ctrl-C at any point ---------------------------------------------------------------------
+
+
+def _interrupted_at_call(number: int, save: Callable[[], None]) -> Optional[str]:
+    """Run ``save`` in this (the main) thread with a KeyboardInterrupt raised as the
+    ``number``-th call into safestage's code starts: where Python runs a SIGINT handler (on
+    entering a function), outside the clean-ups that hold a Ctrl-C back (_interrupts).
+    Returns the function it landed in (None: the save made fewer calls); the
+    KeyboardInterrupt must reach the caller."""
+    home = os.path.dirname(safestage.__file__)
+    count, landed = [0], [None]
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or not frame.f_code.co_filename.startswith(home) or _interrupts._deferring:
+            return
+        if frame.f_code.co_name in ("<genexpr>", "__del__"):
+            return  # a finalizer (any() closing its generator): Python itself "ignores" an exception there
+        count[0] += 1
+        if count[0] == number:
+            landed[0] = f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)})"
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    sys.settrace(tracer)
+    try:
+        save()
+    except KeyboardInterrupt:
+        assert landed[0] is not None
+        return landed[0]
+    finally:
+        sys.settrace(None)
+    assert landed[0] is None, f"a Ctrl-C in {landed[0]} did not reach the caller"
+    return None
+
+
+@pytest.mark.regression("issue 30 review: a Ctrl-C between reserving the budget and holding it")
+@pytest.mark.parametrize("writer", ["torch", "safetensors"])
+def test_a_ctrl_c_at_any_call_of_a_background_save_leaks_no_budget_and_leaves_nothing_in_flight(
+    tmp_path: Path, stage_root: Path, writer: str
+) -> None:
+    """Every point of a background save, one by one (the differential test sends its Ctrl-Cs
+    at random times and rarely lands in a window a few bytecodes wide): afterwards nothing of
+    the budget is reserved, no save of the process is still 'in flight' (retention would
+    spare its checkpoint for ever, and Lightning's top-k removal would wait for it), and a
+    file that landed is the synchronous save's."""
+    state: Any = {"model": {"w": torch.arange(64.0), "v": torch.arange(10)}, "step": 3}
+    tensors = {"w": torch.arange(64.0), "v": torch.arange(10)}
+    suffix = ".pt" if writer == "torch" else ".safetensors"
+    walked: list[str] = []
+    for number in itertools.count(1):
+        dest = tmp_path / f"s{number}{suffix}"
+        expected = (_sync_bytes(tmp_path, state, dest.name) if writer == "torch" else None)
+
+        def save(dest: Path = dest) -> None:
+            if writer == "torch":
+                torch.save(state, dest)
+            else:
+                save_file(tensors, str(dest))
+
+        stage = safestage.activate(stage_root, background=True, torch_save=True, snapshot_budget="16MiB")
+        try:
+            landed = _interrupted_at_call(number, save)
+        finally:
+            stage.close()
+        if _snapshot.pooled_bytes()[0]:
+            gc.collect()  # a reservation in a frame of the interrupt's traceback: garbage now
+        assert _snapshot.pooled_bytes()[0] == 0, f"a Ctrl-C in {landed} leaked the budget"
+        assert not _work.busy(), f"a Ctrl-C in {landed} left {_work.busy()}"
+        if dest.exists():
+            if expected is None:
+                save_file(tensors, str(tmp_path / "sync.safetensors"))
+                expected = (tmp_path / "sync.safetensors").read_bytes()
+            assert dest.read_bytes() == expected
+        if landed is None:
+            break
+        walked.append(landed)
+    # The walk went through the copy, the reservation and the hand-off (points shift a little
+    # from run to run: a pooled buffer is reused, a worker is busy).
+    assert len(walked) >= (80 if writer == "torch" else 50), " ".join(walked)
+
+
+@pytest.mark.regression("issue 30 review: a Ctrl-C's traceback held a snapshot nobody would release")
+def test_a_save_after_a_ctrl_c_that_left_its_snapshot_in_a_traceback_does_not_wait_for_it(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    """A Ctrl-C landing just after a save's snapshot was taken: the snapshot is garbage, but
+    in a cycle (the interrupt, its traceback, the save's job that records it), which only the
+    cyclic collector frees, and it may not run for a long time (gen2). A training loop that
+    catches the Ctrl-C and saves a last checkpoint must not wait for it for ever."""
+    state = {"model": {"w": torch.arange(float(2 << 20))}}  # 8 MiB: two do not fit 12 MiB
+    stage = safestage.activate(stage_root, background=True, torch_save=True, snapshot_budget="12MiB")
+    gc.disable()  # as when the collector does not run in time
+    try:
+        home = os.path.dirname(safestage.__file__)
+
+        def tracer(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_name == "_serialize_later" and frame.f_code.co_filename.startswith(home):
+                sys.settrace(None)
+                raise KeyboardInterrupt
+
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                torch.save(state, tmp_path / "first.pt")
+        finally:
+            sys.settrace(None)
+        assert _snapshot.pooled_bytes()[0] >= 8 << 20  # the fault fired: garbage holds the snapshot
+        _returns(lambda: torch.save(state, tmp_path / "last.pt"), seconds=30)
+    finally:
+        gc.enable()
+        stage.close()
+    assert torch.equal(torch.load(tmp_path / "last.pt")["model"]["w"], state["model"]["w"])
+    gc.collect()
+    assert _snapshot.pooled_bytes()[0] == 0
+
+
+@pytest.mark.regression("issue 30 review: a Ctrl-C as a background save's wait for a slot ends")
+def test_a_ctrl_c_as_a_save_leaves_its_wait_for_a_worker_ends_it_in_its_caller(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    """The save is marked 'in the background' as its wait for a slot ends, under the lock;
+    a Ctrl-C as that lock is let go (Condition.__exit__, Python code) means no worker runs it:
+    it must end in its caller, not stay 'in the background' (close() and exit waited for it
+    for ever)."""
+    home = os.path.dirname(safestage.__file__)
+    fired: list[str] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        caller = frame.f_back
+        if (event == "call" and frame.f_code.co_name == "__exit__" and caller is not None
+                and caller.f_code.co_name == "hand_off" and caller.f_code.co_filename.startswith(home)):  # fmt: skip
+            fired.append(frame.f_code.co_filename)
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    stage = safestage.activate(stage_root, background=True, torch_save=True, snapshot_budget="16MiB")
+    try:
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                torch.save({"w": torch.arange(64.0)}, tmp_path / "state.pt")
+        finally:
+            sys.settrace(None)
+        assert fired  # the fault fired
+        assert not _work.busy(), _work.busy()
+    finally:
+        stage.close()  # this thread: the lock the interrupt left held is its own (an RLock)
+    assert _snapshot.pooled_bytes()[0] == 0
+    assert not (tmp_path / "state.pt").exists()
