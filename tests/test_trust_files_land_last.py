@@ -161,3 +161,31 @@ def test_a_single_process_commit_publishes_no_trust_file_while_its_data_is_landi
             trusted = {"meta.pt", ".metadata"} & seen[-1]
             assert not trusted, f"save {step}: {sorted(trusted)} at the destination while the data was landing: {sorted(seen[-1])}"
         assert safestage.verify(dest, deep=True).complete
+
+
+@pytest.mark.mounts
+@pytest.mark.regression("issue 30 review: a re-save that could not remove the old meta.pt (EIO) said it could not "
+                        "remove the commit file and that 'the previous commit is untouched', which was gone")
+def test_a_resave_that_cannot_remove_an_old_trust_file_says_the_previous_commit_file_is_gone(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    import errno
+
+    from safestage import PublishError
+
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    with safestage.staged_dir(backing / "last.ckpt", stage_root) as local:
+        (local / "data.bin").write_bytes(b"1" * 100)
+        torch.save({"step": 1}, local / "meta.pt")
+    with hostile_mount("passthrough", tmp_path / "mnt", backing=backing,
+                       lookup_errors={"meta.pt": errno.EIO}) as mount:  # fmt: skip
+        dest = Path(mount.path) / "last.ckpt"
+        with pytest.raises(PublishError) as raised, safestage.staged_dir(dest, stage_root) as local:
+            (local / "data.bin").write_bytes(b"2" * 100)
+        assert mount.faults()["lookup"] >= 1, "the EIO never fired"
+    assert not (backing / "last.ckpt" / COMMIT_NAME).exists()  # the commit file went first, as it must
+    error = raised.value
+    assert error.errno == errno.EIO and error.step == "invalidate"
+    assert "meta.pt" in str(error) and "untouched" not in str(error), str(error)
+    assert "previous commit file was removed" in str(error), str(error)
