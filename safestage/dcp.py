@@ -643,6 +643,15 @@ def _unvouch(writer: Any, settings: Settings) -> None:
     except (FileNotFoundError, NotADirectoryError):
         return  # no such directory yet (or not one): nothing to vouch for
     except OSError as exc:
+        # A read-only mount refuses unlink whether or not the file is there (EROFS before the
+        # lookup): where no commit file is, nothing vouches for the directory, and the save
+        # meets the mount's refusal itself. Any other answer (EIO, EACCES) may hide one.
+        try:
+            os.lstat(dest / COMMIT_NAME)
+        except FileNotFoundError:
+            return
+        except OSError:
+            pass
         raise PublishError(
             exc.errno,
             f"safestage: dcp.save with {type(writer).__qualname__} (left to write in place) would rewrite "
