@@ -484,8 +484,8 @@ class StagedWriter(StorageWriter):
         """End what a save with this writer that DCP stopped half-way left open: the
         coordinator's work from prepare_global_plan, if DCP stopped before write_data (a
         planner's finish_plan, the scatter of the plan). The switch calls this once the save is
-        over; a writer of the user's own, at its next save. Nothing of it is worth keeping (a copy whose own publish failed was kept already, and
-        is no longer this writer's)."""
+        over; a writer of the user's own, at its next save. Nothing of it is worth keeping (a
+        copy whose own publish failed was kept already, and is no longer this writer's)."""
         save, self._save = self._save, None
         if save is not None:
             save.commit.discard()
