@@ -102,14 +102,28 @@ _STAGED_MARKER = "safestage-set-aside.json"
 VOUCHING = ("meta.pt", "model.safetensors.index.json", ".metadata")
 
 
+# Every index of sharded weights is a trust file of the HuggingFace index's rank: transformers
+# loads the shards that pytorch_model.bin.index.json names as it does model.safetensors.index.json's,
+# and diffusers a subfolder's diffusion_pytorch_model.safetensors.index.json, whatever they hold.
+_INDEXES = (".safetensors.index.json", ".bin.index.json")
+
+
+def _trust_rank(path: str) -> Optional[int]:
+    """Where ``path`` is in ``VOUCHING``'s order (a trust file), or None (data)."""
+    name = path.rpartition("/")[2]
+    if name in VOUCHING:
+        return VOUCHING.index(name)
+    return VOUCHING.index("model.safetensors.index.json") if name.endswith(_INDEXES) else None
+
+
 def trust_last(files: list[tuple[str, int]]) -> tuple[list[str], list[str]]:
     """The paths of ``files`` to publish: the data, largest first; then the trust files (a
-    ``VOUCHING`` name, at any depth), in the order they are published, one at a time."""
+    ``VOUCHING`` name or an index of sharded weights, at any depth), in the order they are
+    published, one at a time."""
     data = [path for path, _ in sorted(files, key=lambda item: (-item[1], item[0]))
-            if path.rpartition("/")[2] not in VOUCHING]  # fmt: skip
-    trust = sorted((path for path, _ in files if path.rpartition("/")[2] in VOUCHING),
-                   key=lambda path: (-VOUCHING.index(path.rpartition("/")[2]), path))  # fmt: skip
-    return data, trust
+            if _trust_rank(path) is None]  # fmt: skip
+    ranked = [(rank, path) for path, _ in files if (rank := _trust_rank(path)) is not None]
+    return data, [path for _, path in sorted(ranked, key=lambda item: (-item[0], item[1]))]
 
 
 # Steps whose PublishError is a refusal: nothing was published, the copy is not worth keeping.
@@ -861,9 +875,9 @@ def prepare_destination(
     try:
         if not _make_directory(dest):
             step = "invalidate"
-            if vouching:  # and the trust files this commit publishes deeper down
-                deeper = [path for path in trust_last(tree.files)[1] if "/" in path]
-                vouching = (*vouching, *reversed(deeper))
+            if vouching:  # and the other trust files this commit publishes (deeper down, indexes)
+                others = [path for path in trust_last(tree.files)[1] if path not in vouching]
+                vouching = (*vouching, *reversed(others))
             removed = remove_commit_file(dest)
             unvouch(dest, fsync=fsync, vouching=vouching, removed=removed)
             step = "mkdir"
