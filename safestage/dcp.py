@@ -481,11 +481,11 @@ class StagedWriter(StorageWriter):
         self._save = None
 
     def _abandon(self) -> None:
-        """End what an earlier save with this writer that DCP stopped half-way left open (a
-        save refused while planning leaves nothing: its local directory opens in write_data;
-        the coordinator's work from prepare_global_plan, if DCP's scatter of the plan failed):
-        nothing of it is worth keeping (a copy whose own publish failed was kept already, and
-        is no longer this writer's)."""
+        """End what a save with this writer that DCP stopped half-way left open: the
+        coordinator's work from prepare_global_plan, if DCP stopped before write_data (a
+        planner's finish_plan, the scatter of the plan). The switch calls this once the save is
+        over; a writer of the user's own, at its next save. Nothing of it is worth keeping (a
+        copy whose own publish failed was kept already, and is no longer this writer's)."""
         save, self._save = self._save, None
         if save is not None:
             save.commit.discard()
@@ -577,7 +577,13 @@ def under_switch(
         return save_state_dict(*args, **kwargs)
     bound.arguments["storage_writer"] = staged
     log.debug("dcp.save of %s: staged (%s)", staged.dest, type(writer).__name__)
-    return save_state_dict(*bound.args, **bound.kwargs)
+    try:
+        return save_state_dict(*bound.args, **bound.kwargs)
+    finally:
+        # The save is over: what DCP stopped between its hooks (a planner's finish_plan raising
+        # after the coordinator prepared) ends now, not at a next save with this writer, which
+        # the switch never makes.
+        staged._abandon()
 
 
 @functools.cache
@@ -643,6 +649,15 @@ def _unvouch(writer: Any, settings: Settings) -> None:
     except (FileNotFoundError, NotADirectoryError):
         return  # no such directory yet (or not one): nothing to vouch for
     except OSError as exc:
+        # A read-only mount refuses unlink whether or not the file is there (EROFS before the
+        # lookup): where no commit file is, nothing vouches for the directory, and the save
+        # meets the mount's refusal itself. Any other answer (EIO, EACCES) may hide one.
+        try:
+            os.lstat(dest / COMMIT_NAME)
+        except FileNotFoundError:
+            return
+        except OSError:
+            pass
         raise PublishError(
             exc.errno,
             f"safestage: dcp.save with {type(writer).__qualname__} (left to write in place) would rewrite "

@@ -137,3 +137,30 @@ def test_a_dcp_save_another_rank_refused_while_planning_leaves_nothing_in_flight
         assert "refuses the state dict" in (report["error"] or ""), report  # the refusal fired, on every rank
         assert report["left"] == [], f"rank {rank} left local directories: {report}"
         assert report["busy"] == [], f"rank {rank} still counts the save as in flight: {report}"
+
+
+class LateRefusingPlanner(DefaultSavePlanner):
+    """A planner that refuses the plan DCP scattered (``finish_plan``: after the coordinator's
+    ``prepare_global_plan``, before any ``write_data``)."""
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        raise ValueError("this planner refuses the state dict late")
+
+
+@pytest.mark.regression("issue 30 review: a DCP save under the switch refused after the coordinator prepared (the "
+                        "planner's finish_plan) stayed work in flight for the life of the process")
+def test_a_dcp_save_refused_after_the_coordinator_prepared_leaves_no_commit_in_flight(
+    tmp_path: Path, stage_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (100, 200):
+        save({"w": torch.full((1024,), float(step))}, run / f"step-{step}", stage_root)
+    refused = run / "step-150"
+    with warnings.catch_warnings(), safestage.staged(stage_root):  # the switch stages DCP's own writer
+        warnings.simplefilter("ignore")
+        with pytest.raises(BaseException) as raised:  # DCP's CheckpointException
+            dcp.save({"w": torch.ones(1024)}, checkpoint_id=refused, planner=LateRefusingPlanner())
+        assert "refuses the state dict late" in str(raised.value), raised.value  # the refusal fired
+        assert refused.is_dir()  # the coordinator had prepared it
+        _nothing_in_flight(run, stage_root, refused, caplog)

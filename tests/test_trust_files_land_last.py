@@ -161,3 +161,78 @@ def test_a_single_process_commit_publishes_no_trust_file_while_its_data_is_landi
             trusted = {"meta.pt", ".metadata"} & seen[-1]
             assert not trusted, f"save {step}: {sorted(trusted)} at the destination while the data was landing: {sorted(seen[-1])}"
         assert safestage.verify(dest, deep=True).complete
+
+
+@pytest.mark.mounts
+@pytest.mark.regression("issue 30 review: a re-save that could not remove the old meta.pt (EIO) said it could not "
+                        "remove the commit file and that 'the previous commit is untouched', which was gone")
+def test_a_resave_that_cannot_remove_an_old_trust_file_says_the_previous_commit_file_is_gone(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    import errno
+
+    from safestage import PublishError
+
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    with safestage.staged_dir(backing / "last.ckpt", stage_root) as local:
+        (local / "data.bin").write_bytes(b"1" * 100)
+        torch.save({"step": 1}, local / "meta.pt")
+    with hostile_mount("passthrough", tmp_path / "mnt", backing=backing,
+                       lookup_errors={"meta.pt": errno.EIO}) as mount:  # fmt: skip
+        dest = Path(mount.path) / "last.ckpt"
+        with pytest.raises(PublishError) as raised, safestage.staged_dir(dest, stage_root) as local:
+            (local / "data.bin").write_bytes(b"2" * 100)
+        assert mount.faults()["lookup"] >= 1, "the EIO never fired"
+    assert not (backing / "last.ckpt" / COMMIT_NAME).exists()  # the commit file went first, as it must
+    error = raised.value
+    assert error.errno == errno.EIO and error.step == "invalidate"
+    assert "meta.pt" in str(error) and "untouched" not in str(error), str(error)
+    assert "previous commit file was removed" in str(error), str(error)
+
+
+@pytest.mark.mounts
+@pytest.mark.regression("issue 30 review: a re-save of transformers' pytorch_model.bin.index.json (or diffusers' "
+                        "index) killed mid-publish left the new index over a mix of old and new shards")
+@pytest.mark.parametrize("index", ["pytorch_model.bin.index.json", "unet/diffusion_pytorch_model.safetensors.index.json"])
+def test_every_huggingface_index_lands_after_the_shards_and_goes_before_them(
+    tmp_path: Path, stage_root: Path, index: str
+) -> None:
+    """While the largest shard of a save is half-way to the destination, no index of the save is
+    there, neither the re-save's nor the previous one's (transformers and diffusers load the
+    shards an index names, whatever they hold)."""
+    import json
+    import threading
+
+    folder = index.rpartition("/")[0]
+    shard = f"{folder}/shard-00001.bin" if folder else "shard-00001.bin"
+    seen: list[set[str]] = []
+    with hostile_mount("hdfs", tmp_path / "mnt", mbps=MBPS) as mount:
+        dest = Path(mount.path) / "checkpoint-1"
+        watched = dest / folder if folder else dest
+        for step in (1, 2):
+            before = set(os.listdir(watched)) if watched.exists() else set()
+            stop = threading.Event()
+
+            def watch(before: set[str] = before, stop: threading.Event = stop) -> None:
+                while not stop.is_set():
+                    with contextlib.suppress(FileNotFoundError):
+                        if _in_flight(watched, before):
+                            seen.append(set(os.listdir(watched)))
+                            return
+                    time.sleep(0.005)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            try:
+                with safestage.staged_dir(dest, stage_root) as local:
+                    (local / shard).parent.mkdir(exist_ok=True)
+                    (local / shard).write_bytes(bytes([step]) * (BIG * 4))
+                    (local / index).write_text(json.dumps({"weight_map": {"w": "shard-00001.bin"}, "step": step}))
+            finally:
+                stop.set()
+                watcher.join()
+            assert len(seen) == step, "the watcher never saw the shard half-way: it tested nothing"
+            name = index.rpartition("/")[2]
+            assert name not in seen[-1], f"save {step}: {name} at the destination while a shard was landing"
+        assert safestage.verify(dest, deep=True).complete

@@ -10,6 +10,7 @@ Real ``dcp.save`` calls in one process on the local disk: a committed checkpoint
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -55,3 +56,54 @@ def test_a_resave_by_a_writer_the_switch_leaves_alone_is_never_vouched_for_by_th
     assert loaded["w"][0].item() == 2.0  # the re-save landed, in place
     assert not (dest / COMMIT_NAME).exists(), "the old commit file still vouches for the re-saved files"
     assert not safestage.verify(dest).complete
+
+
+@pytest.mark.regression("issue 30 review: a writer left alone saving into a directory safestage never committed, on a "
+                        "read-only mount, got a PublishError saying safestage had committed it, instead of its own error")
+def test_a_writer_left_alone_on_a_read_only_mount_gets_its_own_error_where_no_commit_file_is(
+    small_tmpfs: Path, stage_root: Path
+) -> None:
+    import subprocess
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from safestage.dcp import unstaged
+
+    dest = small_tmpfs / "step-100"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(8)}, storage_writer=FileSystemWriter(dest))  # DCP's own: no commit file
+        subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+        with safestage.staged(stage_root), pytest.raises(CheckpointException) as raised:
+            dcp.save({"w": torch.full((8,), 2.0)}, storage_writer=unstaged(FileSystemWriter(dest)))
+    assert "Read-only file system" in str(raised.value), raised.value  # DCP's own error: the fault fired
+    assert sorted(os.listdir(dest)) == [".metadata", "__0_0.distcp"]
+
+
+@pytest.mark.mounts
+@pytest.mark.regression("issue 30 review: where the commit file cannot be told (EACCES from a FUSE lookup) a writer "
+                        "left alone is refused, never let write under it")
+def test_a_writer_left_alone_is_refused_where_the_commit_file_cannot_be_removed_nor_told(
+    tmp_path: Path, stage_root: Path
+) -> None:
+    import errno
+
+    from safestage import PublishError
+    from safestage.dcp import StagedWriter, unstaged
+    from safestage.testing import hostile_mount
+
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(8)}, storage_writer=StagedWriter(backing / "step-100", stage_root))
+        with hostile_mount("passthrough", tmp_path / "mnt", backing=backing,
+                           lookup_errors={COMMIT_NAME: errno.EACCES}) as mount:  # fmt: skip
+            with safestage.staged(stage_root), pytest.raises(PublishError) as raised:
+                dest = Path(mount.path) / "step-100"
+                dcp.save({"w": torch.full((8,), 2.0)}, storage_writer=unstaged(FileSystemWriter(dest)))
+            assert mount.faults()["lookup"] >= 1, "the EACCES never fired"
+    assert raised.value.errno == errno.EACCES and "Nothing was written" in str(raised.value)
+    loaded = {"w": torch.zeros(8)}
+    dcp.load(loaded, checkpoint_id=str(backing / "step-100"))
+    assert loaded["w"][0].item() == 1.0 and safestage.verify(backing / "step-100", deep=True).complete

@@ -102,14 +102,28 @@ _STAGED_MARKER = "safestage-set-aside.json"
 VOUCHING = ("meta.pt", "model.safetensors.index.json", ".metadata")
 
 
+# Every index of sharded weights is a trust file of the HuggingFace index's rank: transformers
+# loads the shards that pytorch_model.bin.index.json names as it does model.safetensors.index.json's,
+# and diffusers a subfolder's diffusion_pytorch_model.safetensors.index.json, whatever they hold.
+_INDEXES = (".safetensors.index.json", ".bin.index.json")
+
+
+def _trust_rank(path: str) -> Optional[int]:
+    """Where ``path`` is in ``VOUCHING``'s order (a trust file), or None (data)."""
+    name = path.rpartition("/")[2]
+    if name in VOUCHING:
+        return VOUCHING.index(name)
+    return VOUCHING.index("model.safetensors.index.json") if name.endswith(_INDEXES) else None
+
+
 def trust_last(files: list[tuple[str, int]]) -> tuple[list[str], list[str]]:
     """The paths of ``files`` to publish: the data, largest first; then the trust files (a
-    ``VOUCHING`` name, at any depth), in the order they are published, one at a time."""
+    ``VOUCHING`` name or an index of sharded weights, at any depth), in the order they are
+    published, one at a time."""
     data = [path for path, _ in sorted(files, key=lambda item: (-item[1], item[0]))
-            if path.rpartition("/")[2] not in VOUCHING]  # fmt: skip
-    trust = sorted((path for path, _ in files if path.rpartition("/")[2] in VOUCHING),
-                   key=lambda path: (-VOUCHING.index(path.rpartition("/")[2]), path))  # fmt: skip
-    return data, trust
+            if _trust_rank(path) is None]  # fmt: skip
+    ranked = [(rank, path) for path, _ in files if (rank := _trust_rank(path)) is not None]
+    return data, [path for _, path in sorted(ranked, key=lambda item: (-item[0], item[1]))]
 
 
 # Steps whose PublishError is a refusal: nothing was published, the copy is not worth keeping.
@@ -861,18 +875,25 @@ def prepare_destination(
     try:
         if not _make_directory(dest):
             step = "invalidate"
-            if vouching:  # and the trust files this commit publishes deeper down
-                deeper = [path for path in trust_last(tree.files)[1] if "/" in path]
-                vouching = (*vouching, *reversed(deeper))
-            removed = invalidate(dest, fsync=fsync, vouching=vouching)
+            if vouching:  # and the other trust files this commit publishes (deeper down, indexes)
+                others = [path for path in trust_last(tree.files)[1] if path not in vouching]
+                vouching = (*vouching, *reversed(others))
+            removed = remove_commit_file(dest)
+            unvouch(dest, fsync=fsync, vouching=vouching, removed=removed)
             step = "mkdir"
             staying = remove_dead_temps(dest)  # a re-commit: what killed commits left goes now
         for directory in tree.directories:
             _make_directory(dest / directory)
     except OSError as exc:
-        if step == "invalidate":
-            what = f"could not remove the previous commit file {dest / COMMIT_NAME}"
-            state = "Nothing was published; the previous commit is untouched."
+        failed = Path(os.fsdecode(exc.filename)) if exc.filename else dest / COMMIT_NAME
+        if step == "invalidate" and not removed:
+            what = (f"could not remove the previous commit file {failed}" if failed.name == COMMIT_NAME
+                    else f"could not remove {failed}")  # fmt: skip
+            state = "Nothing was published; the previous commit, if any, is untouched."
+        elif step == "invalidate":  # the commit file went; a file after it (meta.pt) could not
+            what = f"could not remove {failed} (it makes a stock reader trust the directory)"
+            state = (f"Nothing was published, but the previous commit file was removed first: {dest} "
+                     "is not complete until a commit succeeds (verify and latest_complete say so).")  # fmt: skip
         else:
             what = f"could not create directory {exc.filename or dest}"
             state = (
@@ -903,11 +924,23 @@ def invalidate(dest: Path, *, fsync: bool, vouching: tuple[str, ...] = ()) -> bo
     mix of old and new files. Then its set-aside marker (the directory is being rewritten, not
     abandoned) and the ``vouching`` files (paths relative to ``dest``), in their order, before
     any data file is replaced. True if there was a commit file."""
+    removed = remove_commit_file(dest)
+    unvouch(dest, fsync=fsync, vouching=vouching, removed=removed)
+    return removed
+
+
+def remove_commit_file(dest: Path) -> bool:
+    """The first step of ``invalidate``: True if there was a commit file (a caller whose next
+    step fails must then say that it is gone)."""
     try:
         os.unlink(dest / COMMIT_NAME)
-        removed = True
+        return True
     except FileNotFoundError:
-        removed = False
+        return False
+
+
+def unvouch(dest: Path, *, fsync: bool, vouching: tuple[str, ...], removed: bool) -> None:
+    """The rest of ``invalidate``, the commit file gone (``removed``: there was one)."""
     others = False
     for name in (SET_ASIDE_NAME, *vouching):
         try:
@@ -917,7 +950,6 @@ def invalidate(dest: Path, *, fsync: bool, vouching: tuple[str, ...] = ()) -> bo
             pass
     if fsync and (removed or others):
         fsync_directory(dest)  # the removal first, on disk too, before any new file
-    return removed
 
 
 def _make_directory(path: Path) -> bool:
