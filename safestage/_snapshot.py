@@ -48,6 +48,8 @@ import time
 import weakref
 from typing import Any, Optional
 
+from ._interrupts import deferred
+
 log = logging.getLogger("safestage")
 
 _ALIGN = 64  # each tensor's bytes start on a cache line of the buffer
@@ -124,8 +126,11 @@ def _reserve(
         # A snapshot that nothing uses any more may still count: one in the traceback of a
         # Ctrl-C that the job of its save records is garbage in a cycle, freed only by the
         # collector (which a run may have disabled: Megatron's manual GC). Collected here,
-        # once, before waiting for snapshots that may be that one.
-        gc.collect()
+        # once, before waiting for snapshots that may be that one. With Ctrl-C held back:
+        # the collection runs finalizers and gc callbacks, and a KeyboardInterrupt raised in
+        # one of them is dropped by Python ("Exception ignored"), never reaching the caller.
+        with deferred():
+            gc.collect()
     started, said = time.monotonic(), False
     with _pool:
         while _in_use + nbytes > budget:

@@ -204,12 +204,14 @@ def test_switch_commits_rank_zeros_huggingface_shards_and_index_on_s3fs(job: Any
 @pytest.mark.slow
 def test_switch_leaves_a_writer_subclass_alone_and_says_so_once(job: Any) -> None:
     """A subclass of FileSystemWriter may write anywhere: the switch does not stage it (it
-    writes in place, as without safestage) and logs one WARNING per process naming it."""
+    writes in place, as without safestage) and says so once per job: a WARNING from rank 0,
+    the other ranks' at INFO."""
     result, dests, _ = job
     assert all(outcome == {"ok": True} for outcome in outcomes(result, "switch-subclass").values())
     dest = dests["switch-subclass"]
     assert sorted(p.name for p in dest.iterdir()) == sorted([*DATA, ".metadata"])  # no commit file
     assert not safestage.verify(dest).complete
     assert stock_load(dest).pop("step") == 7
-    warned = result.output().count("SubclassWriter, a subclass of DCP's FileSystemWriter, is not staged")
-    assert warned == RANKS, result.output()  # once in each rank
+    said = [line for line in result.output().splitlines()
+            if "SubclassWriter, a subclass of DCP's FileSystemWriter, is not staged" in line]
+    assert len([line for line in said if "WARNING" in line]) == 1, result.output()  # once per job
