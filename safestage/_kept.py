@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from . import _loud
+from ._destination import Destination, UnsupportedDestination, url_of
 from ._interrupts import deferred
 from ._locks import close_quietly, owner_gone, taken, try_lock
 from ._names import DISPOSABLE_MARKER, HOST, KEPT_RECORD, Owner, is_writer_temp, parse_stage_dir
@@ -197,6 +198,19 @@ def this_job() -> JobIdentity:
     return JobIdentity(HOST, os.getpid(), command[:300], job_id)
 
 
+def _destination_of(named: object) -> Optional[Destination]:
+    """The destination a record names: an absolute path, or an object-store URL."""
+    if not isinstance(named, str):
+        return None
+    try:
+        url = url_of(named)
+    except UnsupportedDestination:
+        return None
+    if url is not None:
+        return url
+    return Path(named) if os.path.isabs(named) else None
+
+
 @dataclass(frozen=True)
 class Record:
     """What a kept copy is for (``safestage-kept.json``, beside the copy in its save directory).
@@ -206,7 +220,7 @@ class Record:
     published; ``commit_file``: a commit file is still to write; ``started``: when the save
     began (a resumed commit keeps its place in the run's timeline); ``time``: when recorded."""
 
-    destination: Path
+    destination: Destination
     local: str
     kind: Literal["file", "directory"]
     part: Part = WHOLE
@@ -286,7 +300,7 @@ def parse_record(data: bytes) -> Record:
         raise RecordError(f'is not a safestage record (no "format": {FORMAT!r})')
     named, copy = document.get("destination"), document.get("local")
     seems = (
-        named if isinstance(named, str) and os.path.isabs(named) else None,
+        named if _destination_of(named) is not None else None,
         copy if isinstance(copy, str) and copy not in ("", ".", "..") and "/" not in copy else None,
     )
     version = document.get("version")
@@ -303,7 +317,8 @@ def parse_record(data: bytes) -> Record:
         document.get("local"),
         document.get("kind"),
     )
-    if not isinstance(destination, str) or not os.path.isabs(destination):
+    where = _destination_of(destination)
+    if where is None:
         raise RecordError(f"names no absolute destination ({destination!r})")
     if not isinstance(local, str) or local in ("", ".", "..") or "/" in local or "\x00" in local:
         raise RecordError(f"names no local copy inside it ({local!r})")
@@ -321,7 +336,7 @@ def parse_record(data: bytes) -> Record:
     started = document.get("started", recorded)
     error = document.get("error")
     return Record(
-        destination=Path(destination),
+        destination=where,
         local=local,
         kind=kind,
         part=_part(document, kind, version),
@@ -397,12 +412,12 @@ class Found:
         return self.path
 
     @property
-    def destination(self) -> Optional[Path]:
+    def destination(self) -> Optional[Destination]:
         """Where the copy was going, if its record (even one this safestage cannot use) says."""
         if self.record is not None:
             return self.record.destination
         if self.problem is not None and self.problem.destination is not None:
-            return Path(self.problem.destination)
+            return _destination_of(self.problem.destination)
         return None
 
     def content(self) -> Optional[str]:

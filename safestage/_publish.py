@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol, Union
 
 from . import _loud
+from . import _object_store
+from ._destination import Destination, ObjectURL, is_store
 from ._errors import PublishError
 from ._follow import Follower, Reader
 from ._fork_fds import closed_in_children
@@ -89,6 +91,7 @@ class Published:
     nbytes: int
     seconds: float
     digest: Optional[str] = None  # hexdigest of the published bytes, if asked for
+    etag: Optional[str] = None  # an object store's ETag (or generation) of what was published
 
 
 class _StepFailed(Exception):
@@ -379,7 +382,7 @@ _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, err
 
 def publish_file(
     staged: Path,
-    dest: Path,
+    dest: Destination,
     *,
     publish: str,
     fsync: bool,
@@ -409,6 +412,8 @@ def publish_file(
     """
     if follow is not None and staging_device is not None:
         raise ValueError("publish_file(follow=...) copies: pass staging_device=None")
+    if isinstance(dest, ObjectURL):
+        return _upload(staged, dest, digest)
     started = time.perf_counter()
     directory = dest.parent
     try:
@@ -478,9 +483,26 @@ def _digest_file(path: Path, digest: Digest) -> str:
     return digest.hexdigest()
 
 
-def planned_strategy(publish: str, dest: Path, staging_device: Optional[int]) -> Optional[str]:
+def _upload(staged: Path, dest: ObjectURL, digest: Optional[Callable[[], Digest]]) -> Published:
+    """``upload``, the one strategy of an object store: the staged file streamed to its key,
+    which shows the new object only once all of it has arrived (an object PUT is atomic).
+    Nothing of a failed upload is published; the staged copy stays for the caller to keep."""
+    try:
+        done = _object_store.upload(staged, dest, digest() if digest is not None else None)
+    except _object_store.StoreError as exc:
+        raise PublishError(
+            exc.errno, f"{exc.message} Nothing was published to {dest}. {kept_copy_text(staged)}",
+            str(dest), staged_path=str(staged), step="upload",
+        ) from exc
+    return Published("upload", done.nbytes, done.seconds, done.digest, done.etag)
+
+
+def planned_strategy(publish: str, dest: Destination, staging_device: Optional[int]) -> Optional[str]:
     """The strategy publish_file would choose for ``dest`` now (None: cannot tell, the
     directory is not there); the rename probe runs here if it has not yet."""
+    if is_store(dest):
+        return "upload"
+    assert isinstance(dest, Path)
     try:
         dest_device = os.stat(dest.parent).st_dev
     except OSError:

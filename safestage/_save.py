@@ -37,6 +37,7 @@ from typing import Callable, Literal, Optional
 
 from . import _patch, _work
 from ._config import BACKGROUND_ON, PathArg, Settings
+from ._destination import Destination, file_url
 from ._errors import PublishError, StagingError
 from ._kept import SaveDir
 from ._mounts import is_local_disk
@@ -126,7 +127,7 @@ def plan(
         # owner publishes it (staging it again would publish after the owner had committed).
         # A background staged_dir's block returns without waiting for its saves.
         return "deferred" if isinstance(owner, Deferred) else "unstaged"
-    if settings.skip_local_disk and is_local_disk(dest.parent):
+    if settings.skip_local_disk and isinstance(dest, Path) and is_local_disk(dest.parent):
         return "unstaged"
     if settings.background and _work.may_defer(owner):
         return "background"
@@ -451,8 +452,12 @@ def _check_written(copy: LocalCopy) -> None:
 # -- the destination -----------------------------------------------------------------------------
 
 
-def destination(dest: PathArg) -> Path:
-    """The kernel's path of ``dest`` (see _paths), or the error a plain open would give."""
+def destination(dest: PathArg) -> Destination:
+    """The kernel's path of ``dest`` (see _paths), or the error a plain open would give; or the
+    object an object-store URL names (_destination)."""
+    url = file_url(dest)
+    if url is not None:
+        return url
     text = os.fsdecode(dest)  # a bytes path, as open() and staged_dir take (undecodable bytes too)
     target = resolve_destination(text)
     if target is not None:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 from . import _patch
 from ._errors import PublishError, StagingError, as_safetensors_error, as_torch_error
+from ._destination import Destination, file_url
 from ._interrupts import deferred
 from ._paths import resolve_destination
 from ._snapshot import Held, copy_save_file, copy_torch_save, offer, to_host, withdraw
@@ -162,11 +163,11 @@ def _torch_save_wrapper(
         return wrapped(*args, **kwargs)
     target, positional = (args[1], True) if len(args) >= 2 else (kwargs.get("f"), False)
     dest = _destination(target)
-    if dest is not None and os.path.islink(dest):
+    if isinstance(dest, Path) and os.path.islink(dest):
         # torch.save opens the path: it writes the file a symlink points to (safetensors 0.8
         # renames over the link instead). A loop stays a link: torch raises ELOOP itself.
         dest = _destination(os.path.realpath(dest))
-        if dest is not None and os.path.islink(dest):
+        if isinstance(dest, Path) and os.path.islink(dest):
             dest = None
     if dest is None or _special_file(dest):
         # A buffer, or a path a plain torch.save rejects (missing parent, a directory, a
@@ -210,8 +211,10 @@ def _torch_save_into(
 
 
 
-def _special_file(dest: Path) -> bool:
+def _special_file(dest: Destination) -> bool:
     """Whether something other than a regular file (a device, FIFO, socket) is at ``dest``."""
+    if not isinstance(dest, Path):
+        return False  # an object
     try:
         info = os.stat(dest)
     except OSError:
@@ -248,10 +251,14 @@ def _torch_write_errno(exc: RuntimeError, staged: str) -> Optional[int]:
     return errno.ENOSPC if full else errno.EIO
 
 
-def _destination(filename: Any) -> Optional[Path]:
-    """Where a plain save of ``filename`` writes, resolved by the kernel (_paths)."""
+def _destination(filename: Any) -> Optional[Destination]:
+    """Where a plain save of ``filename`` writes, resolved by the kernel (_paths), or the object
+    an ``s3://``/``gs://``/``az://`` URL names (a scheme not served is refused here)."""
     if not isinstance(filename, (str, os.PathLike)):
         return None
+    url = file_url(filename)
+    if url is not None:
+        return url
     text = os.fspath(filename)
     if not isinstance(text, str):
         return None

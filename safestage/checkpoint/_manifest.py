@@ -23,7 +23,9 @@ Format, version 1 (a newer version is refused by this reader, never guessed at):
      "directories": ["logs"]}
 
 A distributed commit (``staged_dir(group=...)``, ``safestage.dcp``) adds to each file entry
-``"rank"``, the global rank that wrote it; since 0.4 a commit that knows when its save began
+``"rank"``, the global rank that wrote it; a commit to an object store adds ``"etag"``, the
+store's ETag (or GCS generation) of the object as it was uploaded (a late overwrite by a stale
+writer changes it, and then the checkpoint is not complete); since 0.4 a commit that knows when its save began
 adds ``"started_at"`` (a run's timeline, ``_timeline``). Both are optional within version 1, so
 that older readers, which ignore unknown keys, still verify such a checkpoint.
 
@@ -86,6 +88,7 @@ class FileEntry:
     size: int
     digest: str
     rank: Optional[int] = None
+    etag: Optional[str] = None  # an object store's ETag (or GCS generation) of the object
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,8 @@ def _entry_json(entry: FileEntry) -> dict[str, Any]:
     document: dict[str, Any] = {"path": entry.path, "size": entry.size, "digest": entry.digest}
     if entry.rank is not None:  # optional within version 1: older readers ignore it
         document["rank"] = entry.rank
+    if entry.etag is not None:  # the same: only on an object store
+        document["etag"] = entry.etag
     return document
 
 
@@ -212,7 +217,10 @@ def parse(data: bytes) -> Manifest:
         rank = item.get("rank")
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
             raise ManifestError(f"file {path!r} has a bad rank {rank!r}")
-        files.append(FileEntry(path, size, digest, rank))
+        etag = item.get("etag")
+        if etag is not None and (not isinstance(etag, str) or not etag or len(etag) > 1024):
+            raise ManifestError(f"file {path!r} has a bad etag {etag!r}")
+        files.append(FileEntry(path, size, digest, rank, etag))
     raw_dirs = document.get("directories", [])
     if not isinstance(raw_dirs, list):
         raise ManifestError('"directories" is not a list')

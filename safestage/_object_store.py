@@ -1,0 +1,353 @@
+"""The object-store family of destinations: S3, GCS and Azure Blob, with no mount, on obstore.
+
+What a checkpoint needs from a bucket, and nothing more: stream a staged file to its key
+(multipart, in parallel, memory bounded by ``PART_BYTES * PARTS_AT_ONCE``), put a small object
+only if it does not exist (the commit object: ``If-None-Match: *`` on S3 and Azure,
+``ifGenerationMatch=0`` on GCS), read one, list a prefix page by page, and delete in batches.
+obstore (Rust's object_store) is imported here and only here, at first use: the package keeps
+Python 3.9 and no dependency for users of paths.
+
+An object PUT is atomic on all three stores: a reader sees the old object or the new one,
+never part of one. A failed multipart upload is aborted by obstore and publishes nothing of
+itself; one cut short by a kill is invisible and costs storage until the bucket's lifecycle
+rule for incomplete multipart uploads removes it (docs/object-stores.md).
+
+Credentials and endpoints come from each store's standard environment (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``; the
+GCS and Azure equivalents), or from ``storage_options`` given for a bucket (``configure``).
+Errors name the URL, the operation and the store's answer, never a secret.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ._destination import SCHEMES, ObjectURL
+from ._errors import PublishError
+
+log = logging.getLogger("safestage")
+
+# A multipart upload's part, and how many go at once: the client holds at most about
+# PART_BYTES * PARTS_AT_ONCE of a file (benchmarks/object_stores.py). S3 allows 10,000 parts:
+# a file larger than PART_BYTES * MAX_PARTS gets larger parts.
+PART_BYTES = 8 << 20
+PARTS_AT_ONCE = 8
+MAX_PARTS = 9_000
+# Objects listed per LIST request (the stores' own maximum page).
+PAGE = 1000
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object of a listing: its key, size and ETag (or GCS generation), as the store says."""
+
+    key: str
+    size: int
+    etag: Optional[str]
+    modified: float
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    nbytes: int
+    seconds: float
+    digest: Optional[str]
+    etag: Optional[str]
+
+
+class StoreError(PublishError):
+    """An object store refused or failed a request: names the URL, the operation and the
+    store's answer (an OSError, with errno: ENOENT, EACCES, EEXIST, EIO)."""
+
+
+# -- stores ------------------------------------------------------------------------------------------
+
+_options: dict[tuple[str, str], dict[str, Any]] = {}
+_stores: dict[tuple[str, str], Any] = {}
+_lock = threading.Lock()
+
+
+def configure(url: ObjectURL, options: Optional[Mapping[str, Any]]) -> None:
+    """Use ``options`` (obstore's config keys, plus ``client_options`` and ``retry_config``)
+    for every request to ``url``'s bucket from now on, in this process. None: the environment
+    only. Never logged: they may hold secrets."""
+    key = (url.scheme, url.bucket)
+    with _lock:
+        wanted = dict(options or {})
+        if _options.get(key, {}) != wanted:
+            _options[key] = wanted
+            _stores.pop(key, None)
+
+
+def _store(url: ObjectURL) -> Any:
+    key = (url.scheme, url.bucket)
+    with _lock:
+        store = _stores.get(key)
+        if store is not None:
+            return store
+        options = dict(_options.get(key, {}))
+    try:
+        from obstore.store import from_url
+    except ImportError as exc:
+        raise StoreError(
+            errno.ENOPKG if hasattr(errno, "ENOPKG") else errno.ENOENT,
+            f"safestage cannot reach {url}: obstore is not installed. Install it with "
+            f"pip install 'safestage[{SCHEMES[url.scheme]}]' (Python 3.11 or newer).",
+            str(url),
+        ) from exc
+    client_options = options.pop("client_options", None)
+    retry_config = options.pop("retry_config", None)
+    try:
+        store = from_url(f"{url.scheme}://{url.bucket}", config=options or None,
+                         client_options=client_options, retry_config=retry_config)  # fmt: skip
+    except Exception as exc:  # obstore's configuration errors
+        raise _error(exc, url, "configure the client for") from exc
+    with _lock:
+        return _stores.setdefault(key, store)
+
+
+def after_fork_in_child() -> None:
+    """A forked child makes its own clients: a parent's connection pool is not the child's."""
+    _stores.clear()
+
+
+# -- requests ----------------------------------------------------------------------------------------
+
+
+def upload(staged: Path, url: ObjectURL, digest: Optional[Any] = None) -> Uploaded:
+    """Stream ``staged`` to ``url``: one PUT for a small file, a parallel multipart upload for a
+    large one (aborted by obstore on any failure, so that nothing of it is published).
+    ``digest``: fed every byte uploaded, in order; its ``update`` may raise to cancel."""
+    import obstore
+
+    started = time.perf_counter()
+    store = _store(url)
+    size = os.stat(staged).st_size
+    part = max(PART_BYTES, -(-size // MAX_PARTS))
+    sent = [0]
+
+    def pieces(handle: Any) -> Iterator[bytes]:
+        while True:
+            piece = handle.read(part)
+            if not piece:
+                return
+            if digest is not None:
+                digest.update(memoryview(piece))
+            sent[0] += len(piece)
+            yield piece
+
+    try:
+        with open(staged, "rb") as handle:
+            if size <= part:
+                data = handle.read()
+                if digest is not None:
+                    digest.update(memoryview(data))
+                sent[0] = len(data)
+                result = obstore.put(store, url.key, data, use_multipart=False)
+            else:
+                result = obstore.put(store, url.key, pieces(handle), chunk_size=part,
+                                     max_concurrency=PARTS_AT_ONCE)  # fmt: skip
+    except OSError as exc:
+        if _from_store(exc):
+            raise _error(exc, url, "upload") from exc
+        raise
+    except Exception as exc:
+        if not _from_store(exc):
+            raise  # the digest's cancel, a bug: as it is
+        raise _error(exc, url, "upload") from exc
+    if sent[0] != size:
+        raise StoreError(
+            errno.EIO,
+            f"safestage: the staged copy {staged} changed while it was uploaded to {url} "
+            f"({sent[0]} bytes read, {size} expected).",
+            str(url),
+        )
+    hexdigest = digest.hexdigest() if digest is not None else None
+    return Uploaded(size, time.perf_counter() - started, hexdigest, result.get("e_tag"))
+
+
+def put_bytes(url: ObjectURL, data: bytes, *, create: bool = False) -> Optional[str]:
+    """Put ``data`` at ``url`` in one request; ``create``: only if nothing is there (raises a
+    StoreError with EEXIST otherwise). Returns the new object's ETag."""
+    import obstore
+
+    try:
+        result = obstore.put(_store(url), url.key, data, mode="create" if create else "overwrite",
+                             use_multipart=False)  # fmt: skip
+    except Exception as exc:
+        if not _from_store(exc):
+            raise
+        raise _error(exc, url, "create" if create else "put") from exc
+    etag: Optional[str] = result.get("e_tag")
+    return etag
+
+
+def read(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[bytes]:
+    """The bytes of ``url``, None if there is no such object. ``limit``: refuse a larger one."""
+    import obstore
+
+    try:
+        answer = obstore.get(_store(url), url.key)
+        if limit is not None and answer.meta["size"] > limit:
+            raise StoreError(errno.EFBIG, f"{url} is {answer.meta['size']} bytes, more than {limit}: "
+                             "not one of safestage's objects", str(url))  # fmt: skip
+        return bytes(answer.bytes())
+    except FileNotFoundError:
+        return None
+    except StoreError:
+        raise
+    except Exception as exc:
+        if not _from_store(exc):
+            raise
+        raise _error(exc, url, "read") from exc
+
+
+def read_range(url: ObjectURL, start: int, length: int) -> bytes:
+    """``length`` bytes of ``url`` from ``start`` (one ranged GET)."""
+    import obstore
+
+    try:
+        return bytes(obstore.get_range(_store(url), url.key, start=start, length=length))
+    except Exception as exc:
+        if not _from_store(exc):
+            raise
+        raise _error(exc, url, "read") from exc
+
+
+def head(url: ObjectURL) -> Optional[ObjectInfo]:
+    """What the store says of ``url``, None if there is no such object."""
+    import obstore
+
+    try:
+        meta = obstore.head(_store(url), url.key)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        if not _from_store(exc):
+            raise
+        raise _error(exc, url, "inspect") from exc
+    return _info(meta)
+
+
+def listing(url: ObjectURL, *, pages: Optional[list[int]] = None) -> list[ObjectInfo]:
+    """Every object below ``url`` (its prefix), in key order, over as many LIST requests as the
+    store pages them (``PAGE`` at a time). ``pages``: appended the size of each page."""
+    import obstore
+
+    found: list[ObjectInfo] = []
+    try:
+        for page in obstore.list(_store(url), prefix=url.prefix or None, chunk_size=PAGE):
+            if pages is not None:
+                pages.append(len(page))
+            found.extend(_info(meta) for meta in page)
+    except Exception as exc:
+        if not _from_store(exc):
+            raise
+        raise _error(exc, url, "list") from exc
+    found.sort(key=lambda info: info.key)
+    return found
+
+
+def delete(urls: list[ObjectURL]) -> None:
+    """Delete every object of ``urls`` (one bucket), in batched requests where the store has
+    them (S3: 1,000 a request; Azure: 256). A missing object is no error."""
+    import obstore
+
+    if not urls:
+        return
+    try:
+        obstore.delete(_store(urls[0]), [url.key for url in urls])
+    except FileNotFoundError:
+        pass
+    except Exception as exc:
+        if not _from_store(exc):
+            raise
+        raise _error(exc, urls[0] if len(urls) == 1 else urls[0].parent, "delete") from exc
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+def _info(meta: Mapping[str, Any]) -> ObjectInfo:
+    modified = meta.get("last_modified")
+    return ObjectInfo(
+        key=meta["path"],
+        size=int(meta["size"]),
+        etag=meta.get("e_tag") or meta.get("version"),
+        modified=modified.timestamp() if modified is not None else 0.0,
+    )
+
+
+def _from_store(exc: BaseException) -> bool:
+    """Whether ``exc`` is obstore's answer (not the digest's cancel or a bug of ours)."""
+    module = type(exc).__module__ or ""
+    return module.startswith("obstore") or type(exc).__name__ in _OBSTORE_BUILTINS
+
+
+# obstore raises some answers as Python builtins (a missing object is FileNotFoundError, a
+# refused one PermissionError, a connection failure a plain OSError).
+_OBSTORE_BUILTINS = {"FileNotFoundError", "PermissionError", "FileExistsError", "OSError",
+                     "ConnectionError", "TimeoutError", "ValueError"}  # fmt: skip
+
+_ERRNO_BY_NAME = {
+    "NotFoundError": errno.ENOENT,
+    "FileNotFoundError": errno.ENOENT,
+    "AlreadyExistsError": errno.EEXIST,
+    "FileExistsError": errno.EEXIST,
+    "PreconditionError": errno.EEXIST,
+    "PermissionDeniedError": errno.EACCES,
+    "PermissionError": errno.EACCES,
+    "UnauthenticatedError": errno.EACCES,
+    "NotSupportedError": errno.EOPNOTSUPP,
+    "UnknownConfigurationKeyError": errno.EINVAL,
+    "InvalidPathError": errno.EINVAL,
+}
+
+
+def _answer(exc: BaseException) -> str:
+    """The store's answer, in one line: obstore's message without its debug dump, and with
+    every configured option value blanked (a key passed in storage_options is no business of
+    a log)."""
+    text = str(exc).split("\n\nDebug source:")[0].strip()
+    line = " ".join(text.split())
+    for options in list(_options.values()):
+        for value in _secret_values(options):
+            line = line.replace(value, "***")
+    return line[:600] + (" ..." if len(line) > 600 else "")
+
+
+def _secret_values(options: Mapping[str, Any]) -> Iterator[str]:
+    for value in options.values():
+        if isinstance(value, Mapping):
+            yield from _secret_values(value)
+        elif isinstance(value, str) and len(value) >= 4:
+            yield value
+
+
+def _error(exc: BaseException, url: ObjectURL, operation: str) -> StoreError:
+    code = _ERRNO_BY_NAME.get(type(exc).__name__, errno.EIO)
+    advice = {
+        errno.EACCES: "check the credentials (AWS_ACCESS_KEY_ID / GOOGLE_APPLICATION_CREDENTIALS / "
+        "AZURE_STORAGE_ACCOUNT_KEY or storage_options) and the bucket's policy",
+        errno.ENOENT: "check that the bucket exists and the URL names it",
+        errno.EINVAL: "check storage_options and the store's environment variables",
+    }.get(code, "the store or the network failed; the save can be retried")
+    return StoreError(
+        code,
+        f"safestage: could not {operation} {url}: {_answer(exc)} ({advice}).",
+        str(url),
+    )
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` is a conditional create that found the object already there."""
+    return isinstance(exc, StoreError) and exc.errno == errno.EEXIST
+
