@@ -14,13 +14,14 @@ from typing import Any, Callable, NoReturn, Optional, Union
 
 from . import _config, _hooks, _patch, _save, _work, _writers  # noqa: F401 - _hooks, _writers: what a hooked save does
 from ._config import PathArg, Publish, Settings
+from ._destination import Destination
 from ._errors import as_safetensors_error
 from ._stage import PublishRecord
 
 log = logging.getLogger("safestage")
 
 
-def _raised_at_the_next_save(dest: Path, job: _work.Job) -> str:
+def _raised_at_the_next_save(dest: Destination, job: _work.Job) -> str:
     """The note of a background save's failure raised at the next save (Stage._begin_save)."""
     if job.kept is not None and job.kept.exists():
         where = f"its complete copy is kept at {job.kept}: `safestage recover` publishes it"
@@ -84,7 +85,7 @@ class Stage(contextlib.ContextDecorator):
         _work.wait_for_threads(self)
         _work.wait(self)  # its background publishes; the first error is raised
 
-    def _begin_save(self, dest: Path) -> _work.Job:
+    def _begin_save(self, dest: Destination) -> _work.Job:
         """Called under the activation lock with the stage chosen for a save (_patch): the
         save is this stage's job from now on, so close() waits for it. A background save of
         this stage that failed since is raised here instead, before this save is made

@@ -67,6 +67,15 @@ class ObjectURL:
         return ObjectURL(self.scheme, self.bucket, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
 
     @property
+    def parents(self) -> tuple[ObjectURL, ...]:
+        """Every prefix above this URL, nearest first, down to the bucket (as Path.parents)."""
+        found, url = [], self
+        while url.key:
+            url = url.parent
+            found.append(url)
+        return tuple(found)
+
+    @property
     def prefix(self) -> str:
         """The listing prefix of what lies below this URL (``"run/"``; ``""`` for the bucket)."""
         return f"{self.key}/" if self.key else ""

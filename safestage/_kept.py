@@ -596,18 +596,18 @@ def _advice(root: Path, found: Found) -> str:
             f"finishes it (or says why not); `safestage recover --discard {found.local}` deletes it")  # fmt: skip
 
 
-def recover_command(root: Path, destination: Path) -> str:
+def recover_command(root: Path, destination: Destination) -> str:
     """The command that finishes the kept copies in ``root`` meant for ``destination``."""
     return f"`safestage recover {root} --dest {destination}`"
 
 
-def claims(roots: list[Path]) -> dict[Path, str]:
+def claims(roots: list[Path]) -> dict[Destination, str]:
     """{destination: why} of the commits in flight in ``roots``: save directories whose owner
     lives and whose record names a destination. A kept copy whose owner is gone claims
     nothing: it holds every file of its checkpoint (recover commits it whole), so removing what
     landed at the destination loses nothing, and an answer that depended on knowing the root
     the copy lies in would differ from one shell to the next."""
-    found_claims: dict[Path, str] = {}
+    found_claims: dict[Destination, str] = {}
     for root in roots:
         try:
             entries = scan(root)

@@ -106,7 +106,7 @@ def _store(url: ObjectURL) -> Any:
     client_options = options.pop("client_options", None)
     retry_config = options.pop("retry_config", None)
     try:
-        store = from_url(f"{url.scheme}://{url.bucket}", config=options or None,
+        store = from_url(f"{url.scheme}://{url.bucket}", config=options or None,  # type: ignore[arg-type]
                          client_options=client_options, retry_config=retry_config)  # fmt: skip
     except Exception as exc:  # obstore's configuration errors
         raise _error(exc, url, "configure the client for") from exc

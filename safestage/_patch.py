@@ -42,9 +42,9 @@ class Owner(Protocol):
 
     settings: Settings
 
-    def _begin_save(self, dest: Path) -> Job: ...
+    def _begin_save(self, dest: Any) -> Job: ...
 
-    def _save(self, serialize: Callable[[str], None], dest: Path, *, as_error: Callable[[BaseException], BaseException],
+    def _save(self, serialize: Callable[[str], None], dest: Any, *, as_error: Callable[[BaseException], BaseException],
               needs: Optional[int] = None, job: Optional[Job] = None, snapshot: Optional[Callable[[int], Any]] = None,
               ) -> None: ...  # fmt: skip
 
@@ -114,7 +114,7 @@ def current_stage() -> Optional[Stage]:
         return _active[-1]
 
 
-def begin_save(dest: Path, *, torch_save: bool = False) -> Optional[tuple[Owner, Job]]:
+def begin_save(dest: Any, *, torch_save: bool = False) -> Optional[tuple[Owner, Job]]:
     """Who takes a save of ``dest``, with the save started as its job under the same lock: the
     background staged_dir whose local directory holds it (torch.save too), else None inside
     another staging directory, else current_stage(): a stage whose close() has begun is never
@@ -378,7 +378,7 @@ def remove_unstaged_dir(directory: Path) -> None:
             _sync()
 
 
-def in_unstaged_dir(dest: Path) -> bool:
+def in_unstaged_dir(dest: Any) -> bool:
     with _lock:
         return any(dest.is_relative_to(directory) for directory in _unstaged_dirs)
 

@@ -41,8 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol, Union
 
-from . import _loud
-from . import _object_store
+from . import _loud, _object_store
 from ._destination import Destination, ObjectURL, is_store
 from ._errors import PublishError
 from ._follow import Follower, Reader

@@ -119,7 +119,7 @@ def after_fork_in_child() -> None:  # registered by _lifecycle
 
 
 def plan(
-    settings: Settings, dest: Path, root: StagingRoot, *, needs: Optional[int], owner: object
+    settings: Settings, dest: Destination, root: StagingRoot, *, needs: Optional[int], owner: object
 ) -> Way:
     """How one save of ``dest`` runs (see the module docstring)."""
     if _patch.in_unstaged_dir(dest):
@@ -310,7 +310,7 @@ def _local_writes(root: Path) -> threading.Lock:
         return _writing.setdefault(root, threading.Lock())
 
 
-def _make_room(root: StagingRoot, needs: Optional[int], dest: Path, owner: object) -> None:
+def _make_room(root: StagingRoot, needs: Optional[int], dest: Destination, owner: object) -> None:
     """background: a root too full for this file now may hold it once the owner's pending
     publishes have landed and their local copies are gone; wait for those before refusing
     (review 5). Their failures are raised where they always are (close, teardown)."""
@@ -345,7 +345,7 @@ class Deferred:
         """Its saves handed to a worker (one that ran in its caller raised there)."""
         return [job for job in self._jobs if job.background]
 
-    def _begin_save(self, dest: Path) -> _work.Job:
+    def _begin_save(self, dest: Destination) -> _work.Job:
         """Called under the activation lock, as a Stage's: the save is this block's job."""
         job = _work.start("file", dest, self)
         self._jobs.append(job)
@@ -389,7 +389,7 @@ class Deferred:
 
 
 @contextlib.contextmanager
-def local_file(dest: Path, settings: Settings) -> Iterator[Path]:
+def local_file(dest: Destination, settings: Settings) -> Iterator[Path]:
     """A local path in a fresh save directory for any writer (the caller's block); published
     to ``dest`` when the block succeeds, removed when it raises."""
     with _work.running("file", dest, None):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ._config import Settings
+from ._destination import Destination
 from ._errors import PublishError, StagingError
 from ._follow import FOLLOW_MIN_BYTES, Follower, FollowMismatch, WriterFailed
 from ._interrupts import deferred
@@ -47,7 +48,7 @@ _OS_ERROR_IN_MESSAGE = re.compile(r"\(os error (\d+)\)")
 class PublishRecord:
     """One published file: where it went, how big, how, and how long each half took."""
 
-    destination: Path
+    destination: Destination
     bytes: int
     # "rename" (same filesystem, no copy), "link" (a commit's, which keeps its local copy whole),
     # "replace", "direct", or "unstaged" (skip_local_disk)
@@ -98,7 +99,7 @@ class StagingRoot:
             return False
         return _identity(info) == self._identity and stat.S_ISDIR(info.st_mode)
 
-    def check_room(self, nbytes: Optional[int], dest: Path) -> None:
+    def check_room(self, nbytes: Optional[int], dest: Destination) -> None:
         """Refuse a save of about ``nbytes`` that cannot fit in the root, before anything is
         written: serializing a 5 GB shard into a root with 2 GB free only to fail at the end
         wastes minutes. Best effort: no size, or no statvfs, and the write itself decides
@@ -311,7 +312,7 @@ class LocalCopy:
 
     save_dir: SaveDir
     path: Path
-    dest: Path
+    dest: Destination
     started: float  # perf_counter when the save began
     serialize_seconds: float
     wall_started: float = field(
@@ -323,7 +324,7 @@ class LocalCopy:
         return os.stat(self.path).st_size
 
 
-def _write_checked(write: Callable[[str], None], staged: Path, dest: Path) -> None:
+def _write_checked(write: Callable[[str], None], staged: Path, dest: Destination) -> None:
     """Run the writer into ``staged``; a writer that returns without leaving a file there
     is an error, never an empty publish."""
     write(str(staged))
@@ -365,7 +366,7 @@ def write_local(
 
 
 def follow_strategy(
-    settings: Settings, dest: Path, staging: StagingRoot, needs: Optional[int] = None
+    settings: Settings, dest: Destination, staging: StagingRoot, needs: Optional[int] = None
 ) -> Optional[str]:
     """The strategy a followed save of ``dest`` would publish with, or None where following
     does not apply. Only ``replace``: its temp is ours alone (O_EXCL), so a writer failing
@@ -539,7 +540,7 @@ def publish_local(
         keep_unpublished(item, exc)
         raise
     item.save_dir.remove()  # published: from here on there is nothing to keep
-    if settings.fsync and published.strategy in ("rename", "replace"):
+    if settings.fsync and published.strategy in ("rename", "replace") and isinstance(item.dest, Path):
         fsync_directory(item.dest.parent)  # makes the rename durable
     done = time.perf_counter()
     record = PublishRecord(

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 from . import _loud
+from ._destination import Destination
 from ._interrupts import deferred
 from ._lifecycle import start_worker
 
@@ -57,7 +58,7 @@ Kind = Literal["file", "commit"]
 class Job:
     """One save or commit in flight, and its handle: ``done()``, ``wait()``, ``error``."""
 
-    def __init__(self, kind: Kind, dest: Path, owner: object, kept: Optional[Path]) -> None:
+    def __init__(self, kind: Kind, dest: Destination, owner: object, kept: Optional[Path]) -> None:
         self.kind, self.dest, self.owner = kind, dest, owner
         self.kept = kept  # where its complete copy is kept meanwhile (named if exit is cut short)
         self.pid = os.getpid()
@@ -103,7 +104,7 @@ class Job:
 
 _condition = threading.Condition()
 _jobs: list[Job] = []  # running, and finished with an error nobody has seen yet
-_then: dict[Path, list[Callable[[], None]]] = {}  # when_idle actions, by destination
+_then: dict[Destination, list[Callable[[], None]]] = {}  # when_idle actions, by destination
 _exiting = False  # set at exit: work submitted from an atexit handler after ours runs inline
 # Who may defer work here: owners adopted in this very process (a forked child inherits the
 # parent's Stages and plugins, but none of their jobs: reset at fork).
@@ -113,7 +114,7 @@ _owners: weakref.WeakSet[object] = weakref.WeakSet()
 # -- starting and ending a job ---------------------------------------------------------------------
 
 
-def start(kind: Kind, dest: Path, owner: object, *, kept: Optional[Path] = None) -> Job:
+def start(kind: Kind, dest: Destination, owner: object, *, kept: Optional[Path] = None) -> Job:
     """A job that runs in the calling thread from now on; ``finish`` ends it."""
     job = Job(kind, dest, owner, kept)
     with _condition:
@@ -145,7 +146,7 @@ def abandon(job: Job, exc: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def running(kind: Kind, dest: Path, owner: object, *, job: Optional[Job] = None) -> Iterator[Job]:
+def running(kind: Kind, dest: Destination, owner: object, *, job: Optional[Job] = None) -> Iterator[Job]:
     """A job running in the calling thread for the block (``job``: one already started, as
     ``_patch`` starts it under its own lock); ended when the block ends, with the block's
     exception as its error (seen: the caller raises it), unless the block handed it off."""
@@ -272,11 +273,11 @@ def _listed(jobs: list[Job]) -> str:
 
 def _running(
     *,
-    dest: Optional[Path] = None,
+    dest: Optional[Destination] = None,
     owner: object = None,
     kind: Optional[str] = None,
     background: Optional[bool] = None,
-    under: Optional[Path] = None,
+    under: Optional[Destination] = None,
 ) -> list[Job]:
     """The running jobs that match (under _condition)."""
     return [
@@ -287,11 +288,11 @@ def _running(
     ]  # fmt: skip
 
 
-def busy() -> dict[Path, str]:
+def busy() -> dict[Destination, str]:
     """The destinations this process is saving or committing now: {path: what}."""
     with _condition:
         jobs = _running()
-    busy: dict[Path, str] = {}
+    busy: dict[Destination, str] = {}
     for job in jobs:
         what = "committing" if job.kind == "commit" else "saving"
         when = " in the background" if job.background else ""
@@ -305,7 +306,7 @@ def running_count(owner: object) -> int:
         return len(_running(owner=owner, background=True))
 
 
-def pending_copies() -> list[tuple[Path, Optional[Path]]]:
+def pending_copies() -> list[tuple[Destination, Optional[Path]]]:
     with _condition:
         return [(job.dest, job.kept) for job in _running(background=True)]
 
@@ -314,7 +315,7 @@ def pending_copies() -> list[tuple[Path, Optional[Path]]]:
 
 
 def settle(
-    dest: Optional[Path] = None, *, owner: object = None, under: Optional[Path] = None
+    dest: Optional[Destination] = None, *, owner: object = None, under: Optional[Destination] = None
 ) -> None:
     """Wait, raising nothing, until no background job of ``dest`` (of ``owner``, under the
     directory ``under``; None: any) runs: a later save of the same file must land after it,
@@ -363,7 +364,7 @@ def wait_for_threads(owner: object) -> None:
         )
 
 
-def when_idle(dest: Path, action: Callable[[], None]) -> None:
+def when_idle(dest: Destination, action: Callable[[], None]) -> None:
     """Run ``action`` once no job of ``dest`` runs: now, or by the thread that ends the last
     one (Lightning's top-k removal of a checkpoint still being saved or published)."""
     with _condition:
@@ -373,7 +374,7 @@ def when_idle(dest: Path, action: Callable[[], None]) -> None:
     action()
 
 
-def _due_actions(dest: Path) -> list[Callable[[], None]]:
+def _due_actions(dest: Destination) -> list[Callable[[], None]]:
     """Under _condition: the when_idle actions of ``dest`` now that none of its jobs runs."""
     if dest not in _then or _running(dest=dest):
         return []

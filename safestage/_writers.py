@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import _patch
-from ._errors import PublishError, StagingError, as_safetensors_error, as_torch_error
 from ._destination import Destination, file_url
+from ._errors import PublishError, StagingError, as_safetensors_error, as_torch_error
 from ._interrupts import deferred
 from ._paths import resolve_destination
 from ._snapshot import Held, copy_save_file, copy_torch_save, offer, to_host, withdraw

@@ -51,12 +51,13 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .._destination import Destination
 from .._errors import ConfigError, PublishError
 from .._locks import process_alive
 from .._names import HOST
 from .._publish import Published
-from ._manifest import COMMIT_NAME, FileEntry, Manifest, parse
-from ._sequence import Lost, Tree, Work
+from ._manifest import FileEntry, Manifest, parse
+from ._sequence import Lost, Tree, Work, read_commit_bytes
 
 log = logging.getLogger("safestage")
 
@@ -133,7 +134,7 @@ class Collective:
 
     # -- the agreement points (_sequence.Peers) --------------------------------------------------
 
-    def started(self, problem: Optional[BaseException], dest: Optional[Path]) -> None:
+    def started(self, problem: Optional[BaseException], dest: Optional[Destination]) -> None:
         if dest is not None:
             self.dest = dest
         else:
@@ -253,7 +254,7 @@ class Collective:
         self, entries: list[FileEntry], error: Optional[BaseException], local: Path
     ) -> list[FileEntry]:
         mine = ("failed", _describe(error)) if error is not None \
-            else ("published", [(e.path, e.size, e.digest) for e in entries])  # fmt: skip
+            else ("published", [(e.path, e.size, e.digest, e.etag) for e in entries])  # fmt: skip
         outcomes = self.exchange(mine)
         failures = [
             (rank, state[1]) for rank, state in zip(self.ranks, outcomes) if state[0] != "published"
@@ -270,11 +271,11 @@ class Collective:
                 str(self.dest), staged_path=str(local), step="collective",
                 landed=tuple(sorted(published)), not_landed=None,
             ) from error  # fmt: skip
-        return [FileEntry(path, size, digest, rank)
-                for rank, state in zip(self.ranks, outcomes) for path, size, digest in state[1]]  # fmt: skip
+        return [FileEntry(path, size, digest, rank, etag)
+                for rank, state in zip(self.ranks, outcomes) for path, size, digest, etag in state[1]]  # fmt: skip
 
     def committed(
-        self, write: Callable[[], Manifest], published: dict[str, Published], dest: Path
+        self, write: Callable[[], Manifest], published: dict[str, Published], dest: Destination
     ) -> Manifest:
         manifest: Optional[Manifest] = None
         word: Optional[BaseException] = None
@@ -370,12 +371,12 @@ def _parents(path: str) -> list[str]:
 
 
 def _landed_with(
-    dest: Path, manifest: Optional[Manifest], published: dict[str, Published]
+    dest: Destination, manifest: Optional[Manifest], published: dict[str, Published]
 ) -> Optional[Manifest]:
     """After a rank was lost at the last step: the commit file at ``dest``, if it is there and
     lists this rank's files as they landed (the coordinator wrote it before the loss)."""
     try:
-        found = parse((dest / COMMIT_NAME).read_bytes())
+        found = parse(read_commit_bytes(dest))
     except (OSError, ValueError):
         return None
     if manifest is not None:

@@ -55,6 +55,7 @@ from typing import Optional, Union
 
 from .. import _kept, _save, _work
 from .._config import ENV_DIR, PathArg, default_root, env_value
+from .._destination import Destination
 from .._errors import ConfigError
 from .._paths import real_directory
 from .._publish import fsync_directory
@@ -205,7 +206,7 @@ def known_roots(root: Optional[PathArg] = None) -> list[Path]:
     return found
 
 
-def _claim_on(path: Path, claims: Mapping[Path, str]) -> Optional[str]:
+def _claim_on(path: Path, claims: Mapping[Destination, str]) -> Optional[str]:
     """Why ``path`` (a checkpoint, the kernel's path) is claimed: itself or a file under it."""
     for claimed, why in claims.items():
         if claimed == path or path in claimed.parents:
@@ -271,7 +272,7 @@ def plan(
             wanted[c.name] = (
                 f"not complete, and older than the newest complete checkpoint {newest.name}"
             )
-    claims: Optional[dict[Path, str]] = None
+    claims: Optional[dict[Destination, str]] = None
     decisions = []
     for c in candidates:
         path = base / c.name

@@ -60,11 +60,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Union
 
-from .. import _save, _work
+from .. import _object_store, _save, _work
 from .._clean import remove_dead_temps
 from .._config import PathArg, Settings
+from .._destination import Destination, ObjectURL, url_of
 from .._errors import PublishError, StagingError
 from .._interrupts import deferred
 from .._kept import WHOLE, JobIdentity, Part, Record, SaveDir, this_job
@@ -161,7 +162,7 @@ class Commit:
 
     def __init__(
         self,
-        dest: PathArg,
+        dest: Union[PathArg, Destination],
         settings: Settings,
         *,
         part: Part = WHOLE,
@@ -179,7 +180,7 @@ class Commit:
         self.copies = COPIES  # files publishing at once (a seam for tests and benchmarks)
         self.job: Optional[JobIdentity] = None  # who kept the copy, if not this process (recover)
         self._argument = dest
-        self.dest: Optional[Path] = None  # the kernel's path, once opened
+        self.dest: Optional[Destination] = None  # the kernel's path or the URL, once opened
         self.staging: Optional[StagingRoot] = None
         self.save_dir: Optional[SaveDir] = None
         self.local: Optional[Path] = None
@@ -257,7 +258,8 @@ class Commit:
         if paths is not None:
             wanted = set(paths)
             tree.files = [(path, size) for path, size in tree.files if path in wanted]
-        check_destination(dest, tree)
+        if isinstance(dest, Path):  # keys are flat: nothing can be in the way in a bucket
+            check_destination(dest, tree)
         return tree
 
     # 3. hand off -------------------------------------------------------------------------------
@@ -333,7 +335,7 @@ class Commit:
         return error
 
     def _publish_one(
-        self, local: Path, dest: Path, device: int, path: str, digest: Callable[[], Digest]
+        self, local: Path, dest: Destination, device: int, path: str, digest: Callable[[], Digest]
     ) -> Published:
         # What was in the way was refused before (check_destination). keep_source: on the
         # staging root's own filesystem the file is linked, never moved, into place, so that a
@@ -350,7 +352,7 @@ class Commit:
         """Set aside what this save's run abandoned, then publish the commit file, last."""
         dest = self._opened()[0]
         manifest = new_manifest(entries, empty, version(), self.started)
-        if self.started is not None:
+        if self.started is not None and isinstance(dest, Path):  # no set-aside on a store yet
             _timeline.set_aside(dest, self.started, self._write_marker, resumed=self.resumed)
         self._writing = manifest.encode()
         target = dest / COMMIT_NAME
@@ -380,6 +382,11 @@ class Commit:
         did it land?)."""
         if self._writing is None or self.dest is None:
             return False
+        if isinstance(self.dest, ObjectURL):
+            try:
+                return _object_store.read(self.dest / COMMIT_NAME) == self._writing
+            except OSError:
+                return False
         try:
             with open(self.dest / COMMIT_NAME, "rb") as handle:
                 return handle.read() == self._writing
@@ -389,9 +396,13 @@ class Commit:
     def _write_marker(self, target: Path, data: bytes) -> None:
         self._publish_bytes(data, _STAGED_MARKER, target)
 
-    def _publish_bytes(self, data: bytes, name: str, target: Path) -> Published:
+    def _publish_bytes(self, data: bytes, name: str, target: Destination) -> Published:
         """Publish ``data`` as ``target``: written into the save directory, then published like
-        any file (replace where the destination can rename, direct where it cannot)."""
+        any file (replace where the destination can rename, direct where it cannot). On an
+        object store, one conditional PUT that creates the object or fails: a second writer of
+        the same checkpoint gets an error and overwrites no commit object."""
+        if isinstance(target, ObjectURL):
+            return _create_object(target, data)
         if self.save_dir is None:  # commit_in_place: a save directory for the commit file only
             self.staging, self.save_dir = _save.save_dir(self.settings)
         assert self.staging is not None
@@ -453,9 +464,12 @@ class Commit:
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _opened(self) -> tuple[Path, Path]:
+    def _opened(self) -> tuple[Destination, Path]:
         assert self.dest is not None, "a commit step before open()"
-        return self.dest, self.local if self.local is not None else self.dest
+        if self.local is not None:
+            return self.dest, self.local
+        assert isinstance(self.dest, Path), "a commit in place is a commit of files at a path"
+        return self.dest, self.dest
 
     def _record(
         self,
@@ -473,7 +487,7 @@ class Commit:
             error=None if error is None else str(error), job=self.job or this_job(),
         ))  # fmt: skip
 
-    def _note_published(self, target: Path, result: Published) -> None:
+    def _note_published(self, target: Destination, result: Published) -> None:
         self.records.append(PublishRecord(
             destination=target, bytes=result.nbytes, publish=result.strategy, seconds=result.seconds,
             serialize_seconds=0.0, publish_seconds=result.seconds,
@@ -493,7 +507,7 @@ class Peers(Protocol):
     @property
     def is_coordinator(self) -> bool: ...
 
-    def started(self, problem: Optional[BaseException], dest: Optional[Path]) -> None: ...
+    def started(self, problem: Optional[BaseException], dest: Optional[Destination]) -> None: ...
 
     def written(self, tree: Optional[Tree], problem: Optional[BaseException]) -> Tree: ...
 
@@ -506,7 +520,7 @@ class Peers(Protocol):
     ) -> list[FileEntry]: ...
 
     def committed(
-        self, write: Callable[[], Manifest], published: dict[str, Published], dest: Path
+        self, write: Callable[[], Manifest], published: dict[str, Published], dest: Destination
     ) -> Manifest: ...
 
     def lost_error(
@@ -521,7 +535,7 @@ class Alone:
     world_size = 1
     is_coordinator = True
 
-    def started(self, problem: Optional[BaseException], dest: Optional[Path]) -> None:
+    def started(self, problem: Optional[BaseException], dest: Optional[Destination]) -> None:
         if problem is not None:
             raise problem
 
@@ -545,7 +559,7 @@ class Alone:
         return entries
 
     def committed(
-        self, write: Callable[[], Manifest], published: dict[str, Published], dest: Path
+        self, write: Callable[[], Manifest], published: dict[str, Published], dest: Destination
     ) -> Manifest:
         return write()
 
@@ -640,7 +654,8 @@ def land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
         peers.prepared(lambda: commit.prepare(union, vouching=VOUCHING), local, tree.paths)
         own = commit.publish(tree, published, wait=peers.publishing)
         rank = None if commit.part.of == "whole" else commit.part.rank  # a collective's files say whose
-        entries = [FileEntry(path, result.nbytes, result.digest or "", rank) for path, result in published.items()]
+        entries = [FileEntry(path, result.nbytes, result.digest or "", rank, result.etag)
+                   for path, result in published.items()]  # fmt: skip
         every = peers.landed(entries, own, local)
         manifest = peers.committed(lambda: commit.commit_file(every, union.empty), published, dest)
     except Lost as lost:
@@ -696,7 +711,7 @@ def _files_in(local: Path) -> list[str]:
         return []
 
 
-def scan(local: Path, dest: Path) -> Tree:
+def scan(local: Path, dest: Destination) -> Tree:
     """Every file and directory written into ``local``, without following anything. Refused,
     before anything is published: symlinks (they could point anywhere, and object stores cannot
     hold one), FIFOs, sockets and devices, an entry at the top named like the commit file or the
@@ -731,7 +746,7 @@ def _not_safetensors(path: Path, size: int) -> Optional[str]:
         os.close(fd)
 
 
-def walk(local: Path, dest: Path) -> Tree:
+def walk(local: Path, dest: Destination) -> Tree:
     tree = Tree()
     stack = [("", local)]
     while stack:
@@ -767,12 +782,25 @@ def walk(local: Path, dest: Path) -> Tree:
 # -- the destination ----------------------------------------------------------------------------------
 
 
-def destination_directory(dest: PathArg) -> Path:
+def destination_directory(dest: Union[PathArg, Destination]) -> Destination:
     """The kernel's path of the checkpoint directory ``dest`` (symlinks followed, as any
     writer into it would), which may not exist yet; its parent must. Raised before the block
     runs, so that a typo costs nothing: PublishError ENOTDIR (a file is there), ENOENT (the
     parent is missing: a commit creates the checkpoint directory, never its parents, which
-    on an unmounted mount point would quietly fill the local disk)."""
+    on an unmounted mount point would quietly fill the local disk). An object-store URL is
+    its own answer (a bucket has no directories to check); it must name a prefix below the
+    bucket, as a checkpoint directory is below a run."""
+    url = url_of(dest)
+    if url is not None:
+        if not url.key:
+            raise PublishError(
+                errno.EINVAL,
+                f"safestage.staged_dir: {dest} is a bucket: name the checkpoint's prefix in it "
+                f"({url.scheme}://{url.bucket}/run/checkpoint-100).",
+                str(dest),
+            )
+        return url
+    assert not isinstance(dest, ObjectURL)
     text = os.fspath(dest)
     if isinstance(text, bytes):
         text = os.fsdecode(text)
@@ -862,13 +890,15 @@ def check_destination(dest: Path, tree: Tree) -> None:
 
 
 def prepare_destination(
-    dest: Path, tree: Tree, local: Path, *, fsync: bool, vouching: tuple[str, ...] = ()
+    dest: Destination, tree: Tree, local: Path, *, fsync: bool, vouching: tuple[str, ...] = ()
 ) -> tuple[bool, dict[str, str]]:
     """Create ``dest`` and its subdirectories. Before anything is written there, remove its
     commit file and set-aside marker, the files that make a stock reader trust it
     (``vouching``: DCP's .metadata), and the temp files of killed commits (at any depth).
     Returns whether a previous commit file was removed, and why each temp file that stays
     stays."""
+    if isinstance(dest, ObjectURL):
+        return _prepare_prefix(dest, tree, local, vouching), {}
     step = "mkdir"
     removed = False
     staying: dict[str, str] = {}
@@ -916,6 +946,61 @@ def prepare_destination(
             not_landed=tuple(sorted(tree.paths)),
         ) from exc
     return removed, staying
+
+
+def _prepare_prefix(dest: ObjectURL, tree: Tree, local: Path, vouching: tuple[str, ...]) -> bool:
+    """``prepare_destination`` on an object store: the previous commit object goes first, in a
+    request of its own (a commit killed after it leaves no commit vouching for a mix of old and
+    new objects), then the set-aside marker and the trust files, in one batched delete. There
+    are no directories to make and no temps to sweep (an upload in flight is invisible)."""
+    commit = dest / COMMIT_NAME
+    removed = False
+    try:
+        removed = _object_store.head(commit) is not None
+        if removed:
+            _object_store.delete([commit])
+        others = [path for path in trust_last(tree.files)[1] if path not in vouching]
+        _object_store.delete([dest / name for name in (SET_ASIDE_NAME, *vouching, *reversed(others))])
+    except _object_store.StoreError as exc:
+        state = ("Nothing was published" + _previous(removed, ", but the previous commit object was "
+                 f"removed first: {dest} is not complete until a commit succeeds") + ".")  # fmt: skip
+        raise PublishError(
+            exc.errno, f"safestage could not commit {dest}: {exc.message} {state} The checkpoint is kept at {local}.",
+            str(dest), staged_path=str(local), step="invalidate", landed=(), not_landed=tuple(sorted(tree.paths)),
+        ) from exc  # fmt: skip
+    return removed
+
+
+def read_commit_bytes(dest: Destination) -> bytes:
+    """The bytes of ``dest``'s commit file (FileNotFoundError if there is none)."""
+    target = dest / COMMIT_NAME
+    if isinstance(target, ObjectURL):
+        data = _object_store.read(target)
+        if data is None:
+            raise FileNotFoundError(errno.ENOENT, f"{target}: no such object", str(target))
+        return data
+    return target.read_bytes()
+
+
+def _create_object(target: ObjectURL, data: bytes) -> Published:
+    """The commit object, created only if none is there (If-None-Match: *; GCS: generation 0)."""
+    started = time.perf_counter()
+    try:
+        etag = _object_store.put_bytes(target, data, create=True)
+    except _object_store.StoreError as exc:
+        if exc.errno == errno.EEXIST:
+            raise PublishError(
+                errno.EEXIST,
+                f"safestage: {target} was created by another writer while this one committed "
+                f"{target.parent}: two jobs are saving the same checkpoint. This commit wrote no "
+                "commit object and overwrote none; its objects may have replaced the other "
+                "writer's, whose commit then no longer matches them (verify and latest_complete "
+                "say so). Give each job its own run prefix.",
+                str(target),
+                step="commit",
+            ) from exc
+        raise
+    return Published("upload", len(data), time.perf_counter() - started, None, etag)
 
 
 def invalidate(dest: Path, *, fsync: bool, vouching: tuple[str, ...] = ()) -> bool:
@@ -969,7 +1054,7 @@ def _make_directory(path: Path) -> bool:
 
 
 def refusal(
-    dest: Path, tree: Optional[Tree], path: Path, problem: str, code: int, *, step: str
+    dest: Destination, tree: Optional[Tree], path: Path, problem: str, code: int, *, step: str
 ) -> PublishError:
     """A commit refused before the destination was touched. The local copy is removed (by the
     caller): refused as it is, it would be refused again, and kept copies that nobody can
@@ -1106,7 +1191,7 @@ def _write_new_file(path: Path, payload: bytes) -> None:
 
 
 def _partial_error(
-    dest: Path,
+    dest: Destination,
     local: Path,
     order: list[str],
     published: dict[str, Published],
@@ -1163,7 +1248,7 @@ def _previous(removed: bool, text: str = " and the previous commit file was remo
     return text if removed else ""
 
 
-def _kept_text(dest: Optional[Path], local: Path, published: list[str], part: Part) -> str:
+def _kept_text(dest: Optional[Destination], local: Path, published: list[str], part: Part) -> str:
     landed = f"; {len(published)} files had landed ({some(published)})" if published else ""
     return (
         f"safestage: interrupted while committing {dest}; no commit file was written{landed}. "

@@ -19,6 +19,7 @@ from typing import Any, NoReturn, Optional, Union
 
 from .. import _config, _patch, _work, _writers  # noqa: F401 - _writers: what a block's hooked save does
 from .._config import PathArg, Publish, Settings
+from .._destination import Destination
 from .._errors import ConfigError
 from .._kept import Part
 from .._save import Deferred
@@ -57,7 +58,7 @@ class StagedDir:
         self._state = "new"
 
     @property
-    def dest(self) -> Optional[Path]:
+    def dest(self) -> Optional[Destination]:
         return self._commit.dest
 
     @property
