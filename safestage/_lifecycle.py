@@ -44,6 +44,8 @@ AFTER_FORK_IN_CHILD: tuple[tuple[str, str], ...] = (
     ("safestage._work", "after_fork_in_child"),
     ("safestage._snapshot", "after_fork_in_child"),
     ("safestage._patch", "after_fork_in_child"),
+    # Object-store clients: a parent's connection pool (and its runtime's threads) is not the child's.
+    ("safestage._object_store", "after_fork_in_child"),
     # safestage's gloo groups: process groups do not survive fork().
     ("safestage.checkpoint._collective", "after_fork_in_child"),
 )

@@ -116,6 +116,8 @@ def _store(url: ObjectURL) -> Any:
 
 def after_fork_in_child() -> None:
     """A forked child makes its own clients: a parent's connection pool is not the child's."""
+    global _lock
+    _lock = threading.Lock()  # a parent thread may have held it at fork()
     _stores.clear()
 
 

@@ -1,0 +1,185 @@
+"""Saves and commits straight to an object store (s3:// on moto's real S3 server, 127.0.0.1):
+what lands is what was saved, nothing else lands, and a scheme safestage does not serve is
+refused before anything is written."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from _support import seeded_tensors
+from safetensors.torch import load, save_file
+
+import safestage
+from safestage import COMMIT_NAME, _object_store
+from safestage._destination import ObjectURL, UnsupportedDestination, url_of
+from safestage.testing._s3 import shared_s3_server
+
+
+@pytest.fixture
+def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A fresh bucket, reached through the standard AWS environment only."""
+    server = shared_s3_server()
+    name = f"saves-{uuid.uuid4().hex[:10]}"
+    server.create_bucket(name)
+    for key, value in {
+        "AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    _object_store.after_fork_in_child()  # clients made for another test's environment
+    yield name
+    _object_store.after_fork_in_child()
+
+
+def keys(bucket: str) -> list[str]:
+    return shared_s3_server().list_objects(bucket)
+
+
+def fetched(url: str) -> bytes:
+    data = _object_store.read(url_of(url))  # type: ignore[arg-type]
+    assert data is not None, url
+    return data
+
+
+def test_a_save_to_an_s3_url_lands_whole_and_alone(bucket: str, root: Path) -> None:
+    small, large = seeded_tensors(1), seeded_tensors(2, numel=6 << 20)  # 24 MiB: multipart
+    with safestage.staged(root, torch_save=True):
+        save_file(small, f"s3://{bucket}/run/small.safetensors")
+        save_file(large, f"s3://{bucket}/run/large.safetensors")
+        torch.save({"step": 7}, f"s3://{bucket}/run/trainer_state.pt")
+    assert keys(bucket) == ["run/large.safetensors", "run/small.safetensors", "run/trainer_state.pt"]
+    for name, tensors in (("small", small), ("large", large)):
+        back = load(fetched(f"s3://{bucket}/run/{name}.safetensors"))
+        assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    info = _object_store.head(ObjectURL("s3", bucket, "run/large.safetensors"))
+    parts = -(-info.size // _object_store.PART_BYTES) if info is not None else 0
+    assert info is not None and info.etag is not None and info.etag.rstrip('"').endswith(f"-{parts}"), info
+    assert os.listdir(root) == [] or all(not (root / entry).is_dir() or not os.listdir(root / entry) for entry in os.listdir(root))
+
+
+def test_the_switch_saves_to_a_url_with_the_call_site_unmodified(bucket: str, tmp_path: Path) -> None:
+    script = (
+        "import torch\nfrom safetensors.torch import save_file\n"
+        f"save_file({{'w': torch.arange(4.0)}}, 's3://{bucket}/switch/model.safetensors')\n"
+    )
+    (tmp_path / "root").mkdir()
+    env = {**os.environ, "SAFESTAGE_DIR": str(tmp_path / "root"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert keys(bucket) == ["switch/model.safetensors"]
+    assert torch.equal(load(fetched(f"s3://{bucket}/switch/model.safetensors"))["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("url", ["hdfs://namenode/run/model.safetensors", "gcs2://b/model.safetensors",
+                                 "file:///tmp/model.safetensors"])  # fmt: skip
+def test_a_scheme_not_served_is_refused_and_nothing_is_written(
+    url: str, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with safestage.staged(root), pytest.raises(UnsupportedDestination) as raised:
+        save_file({"w": torch.zeros(2)}, url)
+    assert url.split("://")[0] + "://" in str(raised.value) and "not served" in str(raised.value)
+    assert os.listdir(tmp_path) == ["scratch"] and os.listdir(root) == []  # no "hdfs:" directory
+    with pytest.raises(UnsupportedDestination):
+        safestage.staged_dir(url.rsplit("/", 1)[0]).__enter__()
+
+
+def test_a_url_naming_a_bucket_or_a_prefix_is_no_file(bucket: str, root: Path) -> None:
+    for url in (f"s3://{bucket}", f"s3://{bucket}/", f"s3://{bucket}/run/"):
+        with safestage.staged(root), pytest.raises(UnsupportedDestination, match="not an object"):
+            save_file({"w": torch.zeros(2)}, url)
+    with pytest.raises(safestage.PublishError, match="is a bucket"):
+        with safestage.staged_dir(f"s3://{bucket}"):
+            pass
+    assert keys(bucket) == []
+
+
+def test_a_missing_bucket_keeps_the_staged_copy_and_names_the_url(bucket: str, root: Path) -> None:
+    url = f"s3://{bucket}-missing/run/model.safetensors"
+    with safestage.staged(root), pytest.raises(safestage.PublishError) as raised:
+        save_file({"w": torch.arange(3.0)}, url)
+    error = raised.value
+    assert error.filename == url and error.staged_path is not None, error
+    assert url in str(error) and "upload" in str(error) and "testing" not in str(error)  # no secret
+    assert load(Path(error.staged_path).read_bytes())["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_checkpoint_committed_to_a_url_lists_every_object_with_its_etag(bucket: str, root: Path) -> None:
+    dest = f"s3://{bucket}/run/checkpoint-100"
+    with safestage.staged_dir(dest, root) as local:
+        save_file(seeded_tensors(3), local / "model.safetensors")
+        (local / "sub").mkdir()
+        (local / "sub" / "config.json").write_text("{}")
+    assert keys(bucket) == [f"run/checkpoint-100/{COMMIT_NAME}", "run/checkpoint-100/model.safetensors",
+                            "run/checkpoint-100/sub/config.json"]  # fmt: skip
+    manifest = json.loads(fetched(f"{dest}/{COMMIT_NAME}"))
+    listed = {entry["path"]: entry for entry in manifest["files"]}
+    assert sorted(listed) == ["model.safetensors", "sub/config.json"]
+    for path, entry in listed.items():
+        info = _object_store.head(ObjectURL("s3", bucket, f"run/checkpoint-100/{path}"))
+        assert info is not None and (info.size, info.etag) == (entry["size"], entry["etag"])
+
+
+def test_a_recommit_removes_the_previous_commit_object_before_any_object_changes(bucket: str, root: Path) -> None:
+    dest = f"s3://{bucket}/run/checkpoint-5"
+    with safestage.staged_dir(dest, root) as local:
+        save_file(seeded_tensors(4), local / "model.safetensors")
+    before = fetched(f"{dest}/{COMMIT_NAME}")
+    seen: list[bool] = []
+    with safestage.staged_dir(dest, root) as local:
+        save_file(seeded_tensors(5), local / "model.safetensors")
+        seen.append(_object_store.head(ObjectURL("s3", bucket, f"run/checkpoint-5/{COMMIT_NAME}")) is not None)
+    assert seen == [True]  # the block runs before the destination is touched
+    after = fetched(f"{dest}/{COMMIT_NAME}")
+    assert after != before
+    assert torch.equal(load(fetched(f"{dest}/model.safetensors"))["w"], seeded_tensors(5)["w"])
+
+
+def test_a_second_writer_of_the_same_step_gets_eexist_and_overwrites_no_commit(bucket: str, root: Path) -> None:
+    """Two jobs commit one step at once: the one whose commit object comes second is refused
+    (If-None-Match: *), and the first one's commit object stays as it wrote it."""
+    dest = f"s3://{bucket}/run/checkpoint-9"
+    big = seeded_tensors(6, numel=8 << 20)  # 32 MiB: its upload is long enough to commit beside
+    errors: list[BaseException] = []
+
+    def slow_writer() -> None:
+        try:
+            with safestage.staged_dir(dest, root) as local:
+                save_file(big, local / "model.safetensors")
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            errors.append(exc)
+
+    writer = threading.Thread(target=slow_writer)
+    writer.start()
+    deadline = time.monotonic() + 60
+    while not _uploading(bucket) and writer.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert _uploading(bucket), "the slow writer's multipart upload was never seen in flight"
+    (root / "other").mkdir()
+    with safestage.staged_dir(dest, root / "other") as local:
+        (local / "config.json").write_text('{"winner": true}')
+    first = fetched(f"{dest}/{COMMIT_NAME}")
+    writer.join(120)
+    assert len(errors) == 1 and isinstance(errors[0], safestage.PublishError), errors
+    assert errors[0].errno == errno.EEXIST and "another writer" in str(errors[0])
+    assert fetched(f"{dest}/{COMMIT_NAME}") == first  # overwritten by nobody
+    assert [entry["path"] for entry in json.loads(first)["files"]] == ["config.json"]
+
+
+def _uploading(bucket: str) -> bool:
+    """Whether a multipart upload is in flight in ``bucket`` (S3 ListMultipartUploads)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{shared_s3_server().endpoint}/{bucket}?uploads", timeout=10) as answer:
+        return b"<Upload>" in answer.read()
