@@ -25,6 +25,7 @@ from ._loud import install as _install_last_resort
 from ._stage import PublishRecord
 
 if TYPE_CHECKING:
+    from ._object_store import configure_store
     from .checkpoint._in_place import commit_in_place
     from .checkpoint._manifest import COMMIT_NAME, FileEntry, Manifest
     from .checkpoint._prune import prune
@@ -48,6 +49,7 @@ _LAZY = {
     "prune": "checkpoint._prune",
     "latest_complete": "checkpoint._verify",
     "verify": "checkpoint._verify",
+    "configure_store": "_object_store",
 }
 
 _REMOVED = {"is_complete": "safestage.verify(path).complete"}
@@ -86,6 +88,7 @@ __all__ = [
     "__version__",
     "activate",
     "commit_in_place",
+    "configure_store",
     "is_active",
     "latest_complete",
     "prune",

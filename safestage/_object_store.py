@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ._destination import SCHEMES, ObjectURL
-from ._errors import PublishError
+from ._destination import SCHEMES, ObjectURL, url_of
+from ._errors import ConfigError, PublishError
 
 log = logging.getLogger("safestage")
 
@@ -85,6 +85,19 @@ def configure(url: ObjectURL, options: Optional[Mapping[str, Any]]) -> None:
         if _options.get(key, {}) != wanted:
             _options[key] = wanted
             _stores.pop(key, None)
+
+
+def configure_store(url: str, storage_options: Optional[Mapping[str, Any]]) -> None:
+    """Explicit options for every request of this process to ``url``'s bucket, on top of the
+    store's standard environment (``AWS_*``, ``GOOGLE_*``, ``AZURE_STORAGE_*``): obstore's
+    config keys for the store (``endpoint``, ``region``, ``access_key_id``...), plus
+    ``client_options`` (timeouts, proxies) and ``retry_config``. None: the environment only.
+    They are never logged, and never in an error's message."""
+    parsed = url_of(url)
+    if parsed is None:
+        raise ConfigError(errno.EINVAL, f"safestage.configure_store: {url!r} is not an object-store URL "
+                          f"(one of {', '.join(s + '://' for s in SCHEMES)})", str(url))  # fmt: skip
+    configure(parsed, storage_options)
 
 
 def _store(url: ObjectURL) -> Any:
@@ -352,4 +365,3 @@ def _error(exc: BaseException, url: ObjectURL, operation: str) -> StoreError:
 def is_refusal(exc: BaseException) -> bool:
     """Whether ``exc`` is a conditional create that found the object already there."""
     return isinstance(exc, StoreError) and exc.errno == errno.EEXIST
-

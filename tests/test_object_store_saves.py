@@ -58,27 +58,43 @@ def test_a_save_to_an_s3_url_lands_whole_and_alone(bucket: str, root: Path) -> N
         save_file(small, f"s3://{bucket}/run/small.safetensors")
         save_file(large, f"s3://{bucket}/run/large.safetensors")
         torch.save({"step": 7}, f"s3://{bucket}/run/trainer_state.pt")
-    assert keys(bucket) == ["run/large.safetensors", "run/small.safetensors", "run/trainer_state.pt"]
+    assert keys(bucket) == [
+        "run/large.safetensors",
+        "run/small.safetensors",
+        "run/trainer_state.pt",
+    ]
     for name, tensors in (("small", small), ("large", large)):
         back = load(fetched(f"s3://{bucket}/run/{name}.safetensors"))
-        assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+        assert back.keys() == tensors.keys() and all(
+            torch.equal(back[k], tensors[k]) for k in tensors
+        )
     info = _object_store.head(ObjectURL("s3", bucket, "run/large.safetensors"))
     parts = -(-info.size // _object_store.PART_BYTES) if info is not None else 0
-    assert info is not None and info.etag is not None and info.etag.rstrip('"').endswith(f"-{parts}"), info
-    assert os.listdir(root) == [] or all(not (root / entry).is_dir() or not os.listdir(root / entry) for entry in os.listdir(root))
+    assert (
+        info is not None and info.etag is not None and info.etag.rstrip('"').endswith(f"-{parts}")
+    ), info
+    assert os.listdir(root) == [] or all(
+        not (root / entry).is_dir() or not os.listdir(root / entry) for entry in os.listdir(root)
+    )
 
 
-def test_the_switch_saves_to_a_url_with_the_call_site_unmodified(bucket: str, tmp_path: Path) -> None:
+def test_the_switch_saves_to_a_url_with_the_call_site_unmodified(
+    bucket: str, tmp_path: Path
+) -> None:
     script = (
         "import torch\nfrom safetensors.torch import save_file\n"
         f"save_file({{'w': torch.arange(4.0)}}, 's3://{bucket}/switch/model.safetensors')\n"
     )
     (tmp_path / "root").mkdir()
     env = {**os.environ, "SAFESTAGE_DIR": str(tmp_path / "root"), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert keys(bucket) == ["switch/model.safetensors"]
-    assert torch.equal(load(fetched(f"s3://{bucket}/switch/model.safetensors"))["w"], torch.arange(4.0))
+    assert torch.equal(
+        load(fetched(f"s3://{bucket}/switch/model.safetensors"))["w"], torch.arange(4.0)
+    )
 
 
 @pytest.mark.parametrize("url", ["hdfs://namenode/run/model.safetensors", "gcs2://b/model.safetensors",
@@ -115,7 +131,9 @@ def test_a_missing_bucket_keeps_the_staged_copy_and_names_the_url(bucket: str, r
     assert load(Path(error.staged_path).read_bytes())["w"].tolist() == [0.0, 1.0, 2.0]
 
 
-def test_a_checkpoint_committed_to_a_url_lists_every_object_with_its_etag(bucket: str, root: Path) -> None:
+def test_a_checkpoint_committed_to_a_url_lists_every_object_with_its_etag(
+    bucket: str, root: Path
+) -> None:
     dest = f"s3://{bucket}/run/checkpoint-100"
     with safestage.staged_dir(dest, root) as local:
         save_file(seeded_tensors(3), local / "model.safetensors")
@@ -131,7 +149,9 @@ def test_a_checkpoint_committed_to_a_url_lists_every_object_with_its_etag(bucket
         assert info is not None and (info.size, info.etag) == (entry["size"], entry["etag"])
 
 
-def test_a_recommit_removes_the_previous_commit_object_before_any_object_changes(bucket: str, root: Path) -> None:
+def test_a_recommit_removes_the_previous_commit_object_before_any_object_changes(
+    bucket: str, root: Path
+) -> None:
     dest = f"s3://{bucket}/run/checkpoint-5"
     with safestage.staged_dir(dest, root) as local:
         save_file(seeded_tensors(4), local / "model.safetensors")
@@ -139,14 +159,19 @@ def test_a_recommit_removes_the_previous_commit_object_before_any_object_changes
     seen: list[bool] = []
     with safestage.staged_dir(dest, root) as local:
         save_file(seeded_tensors(5), local / "model.safetensors")
-        seen.append(_object_store.head(ObjectURL("s3", bucket, f"run/checkpoint-5/{COMMIT_NAME}")) is not None)
+        seen.append(
+            _object_store.head(ObjectURL("s3", bucket, f"run/checkpoint-5/{COMMIT_NAME}"))
+            is not None
+        )
     assert seen == [True]  # the block runs before the destination is touched
     after = fetched(f"{dest}/{COMMIT_NAME}")
     assert after != before
     assert torch.equal(load(fetched(f"{dest}/model.safetensors"))["w"], seeded_tensors(5)["w"])
 
 
-def test_a_second_writer_of_the_same_step_gets_eexist_and_overwrites_no_commit(bucket: str, root: Path) -> None:
+def test_a_second_writer_of_the_same_step_gets_eexist_and_overwrites_no_commit(
+    bucket: str, root: Path
+) -> None:
     """Two jobs commit one step at once: the one whose commit object comes second is refused
     (If-None-Match: *), and the first one's commit object stays as it wrote it."""
     dest = f"s3://{bucket}/run/checkpoint-9"
@@ -181,5 +206,44 @@ def _uploading(bucket: str) -> bool:
     """Whether a multipart upload is in flight in ``bucket`` (S3 ListMultipartUploads)."""
     import urllib.request
 
-    with urllib.request.urlopen(f"{shared_s3_server().endpoint}/{bucket}?uploads", timeout=10) as answer:
+    with urllib.request.urlopen(
+        f"{shared_s3_server().endpoint}/{bucket}?uploads", timeout=10
+    ) as answer:
         return b"<Upload>" in answer.read()
+
+
+def test_explicit_storage_options_reach_a_bucket_with_no_environment(
+    bucket: str, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """configure_store: the endpoint and keys given in code, none in the environment; an error
+    names the URL and the operation, never the secret."""
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    for key in (
+        "AWS_ENDPOINT_URL",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_REGION",
+        "AWS_ALLOW_HTTP",
+    ):
+        monkeypatch.delenv(key)
+    secret = f"secret-{uuid.uuid4().hex}"
+    options = {"endpoint": endpoint, "access_key_id": "key", "secret_access_key": secret, "region": "us-east-1",
+               "client_options": {"allow_http": True}}  # fmt: skip
+    try:
+        safestage.configure_store(f"s3://{bucket}", options)
+        with safestage.staged(root):
+            save_file({"w": torch.arange(5.0)}, f"s3://{bucket}/configured/model.safetensors")
+        assert keys(bucket) == ["configured/model.safetensors"]
+        safestage.configure_store(
+            f"s3://{bucket}", {**options, "endpoint": "http://127.0.0.1:9"}
+        )  # nobody there
+        with safestage.staged(root), pytest.raises(safestage.PublishError) as raised:
+            save_file({"w": torch.arange(5.0)}, f"s3://{bucket}/configured/other.safetensors")
+        message = str(raised.value)
+        assert f"s3://{bucket}/configured/other.safetensors" in message and secret not in message, (
+            message
+        )
+        with pytest.raises(safestage.ConfigError, match="not an object-store URL"):
+            safestage.configure_store("/mnt/bucket", options)
+    finally:
+        safestage.configure_store(f"s3://{bucket}", None)
