@@ -18,11 +18,14 @@ from typing import Any, Callable
 
 from . import _patch
 
-# DCP's save of a resolved writer; format_utils (torch_save_to_dcp) bound it at import.
-DCP_POINTS = tuple(
-    (module, "_save_state_dict")
-    for module in ("torch.distributed.checkpoint.state_dict_saver", "torch.distributed.checkpoint.format_utils")
-)
+# DCP's save of a resolved writer; format_utils (torch_save_to_dcp) bound it at import. And
+# dcp.save's choice of a writer for its checkpoint_id (the saver's own binding: loads keep
+# DCP's), where an object-store URL gets a staged writer: DCP has none for it without fsspec.
+DCP_POINTS = (
+    *((module, "_save_state_dict")
+      for module in ("torch.distributed.checkpoint.state_dict_saver", "torch.distributed.checkpoint.format_utils")),
+    ("torch.distributed.checkpoint.state_dict_saver", "_storage_setup"),
+)  # fmt: skip
 # Lightning's sharded saves: a method of each strategy class, in both packages of each.
 LIGHTNING_POINTS = tuple(
     (f"{package}.strategies.{module}", f"{cls}.save_checkpoint")
@@ -34,12 +37,16 @@ LIGHTNING_POINTS = tuple(
 def _dcp_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """DCP's ``_save_state_dict``: its own writers, staged and committed (safestage.dcp)."""
+    """DCP's ``_save_state_dict``: its own writers, staged and committed; its
+    ``_storage_setup``: a URL's writer (safestage.dcp)."""
     stage = None if _patch.bypassed() else _patch.current_stage()
     if stage is None:
         return wrapped(*args, **kwargs)
-    from .dcp import under_switch  # imports torch's DCP: imported already, it is saving
+    # Imports torch's DCP: imported already, it is saving.
+    from .dcp import under_switch, writer_under_switch
 
+    if getattr(wrapped, "__name__", None) == "_storage_setup":
+        return writer_under_switch(wrapped, args, kwargs, stage.settings)
     return under_switch(wrapped, args, kwargs, stage.settings)
 
 

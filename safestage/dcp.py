@@ -75,9 +75,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _config, _loud, _patch, _work
+from . import _config, _loud, _object_store, _patch, _work
 from ._config import PathArg, Publish, Settings
-from ._errors import PublishError
+from ._destination import Destination, ObjectURL, url_of
+from ._errors import ConfigError, PublishError
 from ._kept import Part
 from ._mounts import is_local_disk
 from ._publish import Published
@@ -135,7 +136,7 @@ class _Save:
     job: Optional[_work.Job] = None
 
     @property
-    def dest(self) -> Path:
+    def dest(self) -> Destination:
         assert self.commit.dest is not None
         return self.commit.dest
 
@@ -146,7 +147,9 @@ class _Save:
 
 class StagedWriter(StorageWriter):
     """A DCP ``StorageWriter`` for ``dest``, a directory on any destination safestage serves
-    (HDFS FUSE, mountpoint-s3, s3fs, rclone, NFS, a local disk): every rank writes its files
+    (HDFS FUSE, mountpoint-s3, s3fs, rclone, NFS, a local disk), or a prefix in an object
+    store (``s3://bucket/run/step-100``, ``gs://``, ``az://``: uploaded from the local copy,
+    the commit object created last; no fsspec): every rank writes its files
     under its own staging root ``root`` (default SAFESTAGE_DIR, else $TMPDIR/safestage-<uid>)
     and publishes them (``publish``, ``fsync`` as for every save); the coordinator writes
     DCP's ``.metadata``, then safestage's commit file, last. ``dest`` is created if missing
@@ -169,27 +172,32 @@ class StagedWriter(StorageWriter):
         per_thread_copy_ahead: int = 10_000_000,
     ) -> None:
         super().__init__()
+        url = url_of(dest)
         writer = FileSystemWriter(
-            os.fspath(dest), single_file_per_rank=single_file_per_rank, thread_count=thread_count,
+            _writer_path(dest, url), single_file_per_rank=single_file_per_rank, thread_count=thread_count,
             per_thread_copy_ahead=per_thread_copy_ahead,
         )  # fmt: skip
-        self._adopt(writer, _config.resolve(root=root, publish=publish, fsync=fsync))
+        self._adopt(writer, _config.resolve(root=root, publish=publish, fsync=fsync), url)
 
-    def _adopt(self, writer: Any, settings: Settings) -> None:
+    def _adopt(self, writer: Any, settings: Settings, url: Optional[ObjectURL] = None) -> None:
         """Stage every save ``writer`` (DCP's FileSystemWriter or HuggingFaceStorageWriter,
-        configured) would make."""
+        configured) would make; to ``url`` if given (the writer's own path then only lays out
+        the local copy: DCP's writers write files, never objects)."""
         self.settings: Settings = settings
         self._writer = writer
-        self.dest = _destination_of(writer)
+        self.dest: Destination = url if url is not None else _destination_of(writer)
         self.save_id: str = getattr(writer, "save_id", None) or str(uuid.uuid4())
         self._save: Optional[_Save] = None
+        self._switched = False  # made by the switch: it ends what DCP left open (under_switch)
 
     @classmethod
-    def _wrapping(cls, writer: Any, settings: Settings) -> StagedWriter:
-        """The StagedWriter the switch puts in place of DCP's own ``writer``."""
+    def _wrapping(cls, writer: Any, settings: Settings, url: Optional[ObjectURL] = None) -> StagedWriter:
+        """The StagedWriter the switch puts in place of DCP's own ``writer`` (to ``url``: the
+        writer DCP would have chosen for a path, saving to the object store)."""
         staged = cls.__new__(cls)
         StorageWriter.__init__(staged)
-        staged._adopt(writer, settings)
+        staged._adopt(writer, settings, url)
+        staged._switched = True
         return staged
 
     # -- what DCP's process-based async_save pickles: the configuration, never a save's state
@@ -206,15 +214,20 @@ class StagedWriter(StorageWriter):
 
     @property
     def checkpoint_id(self) -> Union[str, os.PathLike[str]]:
-        return self.dest
+        # A URL as its text: DCP's process-based async_save hands it back to reset().
+        return str(self.dest) if isinstance(self.dest, ObjectURL) else self.dest
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike[str]]) -> bool:
-        return FileSystemWriter.validate_checkpoint_id(checkpoint_id)
+        return url_of(checkpoint_id) is not None or FileSystemWriter.validate_checkpoint_id(checkpoint_id)
 
     def reset(self, checkpoint_id: Union[str, os.PathLike[str], None] = None) -> None:
-        self._writer.reset(checkpoint_id)
-        self.dest = _destination_of(self._writer)
+        url = url_of(checkpoint_id)
+        if checkpoint_id:
+            _refuse_consolidating(self._writer, url)
+        self._writer.reset(_writer_path(checkpoint_id, url) if checkpoint_id else None)
+        if checkpoint_id:
+            self.dest = url if url is not None else _destination_of(self._writer)
         self.save_id = str(uuid.uuid4())
 
     def storage_meta(self) -> Any:
@@ -242,8 +255,15 @@ class StagedWriter(StorageWriter):
             inner.set_up_storage_writer(is_coordinator)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        save = self._current()
+        if isinstance(save.dest, ObjectURL):
+            # No directory to make in a bucket; DCP's overwrite check, asked of the store (a
+            # plan with collectives is DCP's writer's plan as it is).
+            if not getattr(save.inner, "overwrite", True) and _object_store.head(save.dest / METADATA_NAME):
+                raise RuntimeError(f"Checkpoint already exists at {save.dest} and self.overwrite=False.")
+            return plan
         # The inner writer still points at the destination: DCP's own overwrite check.
-        result: SavePlan = self._current().inner.prepare_local_plan(plan)
+        result: SavePlan = save.inner.prepare_local_plan(plan)
         return result
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -321,7 +341,8 @@ class StagedWriter(StorageWriter):
         # last.
         try:
             local = save.commit.open()
-            self._point(save.inner, local, reading=save.dest)
+            # Consolidation reads the shards where they landed: never at a URL (refused there).
+            self._point(save.inner, local, reading=save.dest if isinstance(save.dest, Path) else None)
             save.inner.finish(metadata, stripped)
             written = save.commit.check().paths
         except BaseException as exc:  # nothing of it was published: nothing worth keeping
@@ -350,7 +371,7 @@ class StagedWriter(StorageWriter):
     @property
     def _data_dir(self) -> str:
         """Where the ranks' data files go, relative to ``dest`` ("" for ``dest`` itself)."""
-        relative = os.path.relpath(os.fspath(self._writer.path), self.dest)
+        relative = os.path.relpath(os.fspath(self._writer.path), _destination_of(self._writer))
         return "" if relative == "." else relative.replace(os.sep, "/")
 
     def _in_data_dir(self, save: _Save, name: str) -> str:
@@ -453,7 +474,7 @@ class StagedWriter(StorageWriter):
         if finish:
             commit.finish()
         return {
-            path: FileEntry(path, result.nbytes, result.digest or "", save.rank)
+            path: FileEntry(path, result.nbytes, result.digest or "", save.rank, result.etag)
             for path, result in published.items()
         }
 
@@ -508,6 +529,23 @@ def _destination_of(writer: Any) -> Path:
     return Path(os.fspath(writer.path))
 
 
+def _writer_path(dest: Any, url: Optional[ObjectURL]) -> str:
+    """The path a DCP writer of ``dest`` is made with. For a URL, only a name its
+    ``write_data`` and ``finish`` never see (they write into the local directory, ``_point``)
+    and that lays out the checkpoint as DCP's writer would (``sharded`` below it, say)."""
+    return os.fspath(dest) if url is None else f"{url.bucket}/{url.key}"
+
+
+def _refuse_consolidating(writer: Any, url: Optional[ObjectURL]) -> None:
+    """Consolidation reads the ranks' shards where they landed: files, not objects."""
+    if url is not None and getattr(writer, "enable_consolidation", False):
+        raise ConfigError(
+            f"safestage.dcp: the HuggingFace writer cannot consolidate at {url}: consolidation reads "
+            "the ranks' shards back where they landed, and DCP reads files, not objects. Save with "
+            "enable_consolidation=False (the shards land, committed), or consolidate into a path."
+        )
+
+
 class StagedHuggingFaceWriter(StagedWriter):
     """DCP's ``HuggingFaceStorageWriter`` (safetensors shards, ``model.safetensors.index.json``)
     through the same local staging, publish and commit as ``StagedWriter``.
@@ -537,11 +575,13 @@ class StagedHuggingFaceWriter(StagedWriter):
                 "safestage.dcp.StagedHuggingFaceWriter needs torch >= 2.7 (hf_storage)"
             )
         StorageWriter.__init__(self)
+        url = url_of(dest)
         writer = HuggingFaceStorageWriter(
-            os.fspath(dest), fqn_to_index_mapping=fqn_to_index_mapping, thread_count=thread_count,
+            _writer_path(dest, url), fqn_to_index_mapping=fqn_to_index_mapping, thread_count=thread_count,
             save_distributed=save_distributed, enable_consolidation=enable_consolidation,
         )  # fmt: skip
-        self._adopt(writer, _config.resolve(root=root, publish=publish, fsync=fsync))
+        _refuse_consolidating(writer, url)
+        self._adopt(writer, _config.resolve(root=root, publish=publish, fsync=fsync), url)
 
 
 def unstaged(writer: W) -> W:
@@ -571,7 +611,10 @@ def under_switch(
     wrapping it, with the open stage's settings; any other passes through."""
     bound = _signature(save_state_dict).bind(*args, **kwargs)
     writer = bound.arguments.get("storage_writer")
-    staged = staged_for(writer, settings, use_collectives=bound.arguments.get("use_collectives", True))
+    if isinstance(writer, StagedWriter) and writer._switched:  # a URL's (writer_under_switch)
+        staged: Optional[StagedWriter] = writer
+    else:
+        staged = staged_for(writer, settings, use_collectives=bound.arguments.get("use_collectives", True))
     if staged is None:
         _unvouch(writer, settings)
         return save_state_dict(*args, **kwargs)
@@ -584,6 +627,34 @@ def under_switch(
         # after the coordinator prepared) ends now, not at a next save with this writer, which
         # the switch never makes.
         staged._abandon()
+
+
+def writer_under_switch(
+    storage_setup: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], settings: Settings
+) -> Any:
+    """DCP's ``_storage_setup`` of a save (the writer ``dcp.save`` and ``async_save``'s save,
+    in its thread or its checkpoint process, pick for a ``checkpoint_id``) while staging is
+    on. A URL of an object store safestage serves (``s3://``, ``gs://``, ``az://``) gets a
+    StagedWriter to it, around DCP's own writer (``storage_writer=`` that writer, or none
+    given): DCP's ``FsspecWriter`` needs fsspec and the store's package, and writes each file
+    in place (a failed save leaves truncated shards: s3fs#154). Anything else is DCP's choice
+    (a path's writer is then staged by ``under_switch``; a scheme safestage does not serve
+    stays fsspec's, said once as for any writer the switch leaves alone)."""
+    bound = _signature(storage_setup).bind(*args, **kwargs)
+    storage, checkpoint_id = bound.arguments.get("storage"), bound.arguments.get("checkpoint_id")
+    try:
+        url = None if bound.arguments.get("reader", False) else url_of(checkpoint_id)
+    except ConfigError:  # not ours to serve: fsspec's, if it can (unstaged, as before)
+        url = None
+    if url is None or (storage is not None and (type(storage) not in _covered() or storage.__dict__.get(_UNSTAGED, False))):
+        return storage_setup(*args, **kwargs)
+    if storage is None:
+        storage = FileSystemWriter(_writer_path(checkpoint_id, url))
+    else:
+        _refuse_consolidating(storage, url)
+        storage.reset(_writer_path(checkpoint_id, url))
+    log.debug("dcp.save of %s: staged to the object store (%s)", url, type(storage).__name__)
+    return StagedWriter._wrapping(storage, settings, url)
 
 
 @functools.cache
@@ -627,6 +698,7 @@ def staged_for(writer: Any, settings: Settings, *, use_collectives: bool = True)
         real = destination_directory(dest)
     except OSError:
         return None  # DCP's writer then fails as it would have
+    assert isinstance(real, Path)  # DCP's writers write paths (a URL's: writer_under_switch)
     if _patch.in_unstaged_dir(real):
         return None  # staged_dir's (or staged_file's) local directory: its owner commits it
     if settings.skip_local_disk and is_local_disk(real.parent):

@@ -18,8 +18,10 @@ This plugin serializes each checkpoint into a private staging directory under th
 root instead (never $TMPDIR, unless that is the root) and publishes it with safestage's one
 publisher (rename / replace / direct, checked close, kept copy on failure).
 
-What it holds is glue only: which paths are staged (local ones; ``s3://`` and other fsspec
-URLs go to the wrapped plugin untouched), the parent directory Lightning expects to be made,
+What it holds is glue only: which paths are staged (local ones, and URLs of the object stores
+safestage serves, ``s3://``, ``gs://``, ``az://``, uploaded from the staged copy with no
+fsspec; other fsspec URLs go to the wrapped plugin untouched), the parent directory Lightning
+expects to be made,
 and delegation of loading and removing. The staging and publishing are the core's
 (``safestage._save.run``, the pipeline of every save). Lightning is imported when this module is.
 
@@ -45,8 +47,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Union
 
-from . import _config, _patch, _save, _work, _writers
+from . import _config, _object_store, _patch, _save, _work, _writers
 from ._config import PathArg, Publish, Settings
+from ._destination import ObjectURL, file_url
 from ._errors import ConfigError
 from ._mounts import is_local_disk
 from ._paths import resolve_destination
@@ -135,8 +138,9 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None
     ) -> None:
         _work.wait(self, finished_only=True)  # a failed background publish, raised here
-        local = _local_path(path)
-        if local is None:  # s3://, gs://, ...: the wrapped plugin's business
+        url = _store_url(path)
+        local = _local_path(path) if url is None else None
+        if url is None and local is None:  # hdfs://, memory://, ...: the wrapped plugin's business
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         default = type(self.checkpoint_io) is TorchCheckpointIO
@@ -146,9 +150,14 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 f" is not supported for `{type(self).__name__}` with the default TorchCheckpointIO."
                 " Pass a custom `checkpoint_io` that handles `storage_options`."
             )
-        # TorchCheckpointIO makes the checkpoint's directory (ModelCheckpoint relies on it).
-        os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
-        _say_if_reversioned(local)
+        # The file wing takes a URL as a destination at run time (the switch's saves); its
+        # signatures still say Path.
+        dest: Any = url
+        if local is not None:
+            # TorchCheckpointIO makes the checkpoint's directory (ModelCheckpoint relies on it).
+            os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+            _say_if_reversioned(local)
+            dest = _save.destination(local)
 
         def write(state: dict[str, Any], staged: str) -> None:
             with _patch.bypass():  # torch_save staging must not stage our staging file again
@@ -165,7 +174,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
             copied = copy_state(checkpoint, budget)
             return None if copied is None else (functools.partial(write, copied[0]), copied[1])
 
-        _save.run(functools.partial(write, checkpoint), _save.destination(local), self.settings, owner=self,
+        _save.run(functools.partial(write, checkpoint), dest, self.settings, owner=self,
                   record=self._record, snapshot=snapshot)  # fmt: skip
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -173,9 +182,10 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         after a save must read that save, never the file it replaces (a failed publish is
         raised here instead)."""
         path = args[0] if args else kwargs.get("path")
-        local = _local_path(path) if path is not None else None
-        if local is not None:
-            _work.settle(_key(local))
+        url = _store_url(path) if path is not None else None
+        local = _local_path(path) if path is not None and url is None else None
+        if url is not None or local is not None:
+            _work.settle(url if url is not None else _key(local or ""))
             _work.wait(self, finished_only=True)  # raises the PublishError
         result: dict[str, Any] = self.checkpoint_io.load_checkpoint(*args, **kwargs)
         return result
@@ -191,6 +201,10 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
         # not at all if it failed (raised here, the old one stays).
         _work.settle(owner=self)
         _work.wait(self, finished_only=True)
+        url = _store_url(path)
+        if url is not None:  # one object: removed as the wrapped plugin would, with no fsspec
+            _work.when_idle(url, lambda: _object_store.delete([url]))
+            return
         local = _local_path(path)
         if local is None:
             self.checkpoint_io.remove_checkpoint(path)
@@ -228,9 +242,8 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 def copy(staged: str) -> None:
                     shutil.copyfile(filepath, staged)
 
-                _save.run(
-                    copy, _save.destination(local), self.settings, owner=self, record=self._record
-                )
+                link: Any = _save.destination(local)  # a path (file_url: none here)
+                _save.run(copy, link, self.settings, owner=self, record=self._record)
         trainer.strategy.barrier()
 
     def _record(self, record: PublishRecord) -> None:
@@ -277,9 +290,10 @@ def sharded_save(
     )
     if not sharded or bound.arguments.get("storage_options") is not None:
         return wrapped(*args, **kwargs)  # full: its CheckpointIO; storage_options: Lightning refuses
-    path = _local_path(bound.arguments[name])
+    target = bound.arguments[name]
+    path: Optional[Union[str, ObjectURL]] = _store_url(target) or _local_path(target)
     dest, staged = strategy.broadcast((path, path is not None and _commits(path, settings)))
-    if dest is not None and getattr(strategy, "is_global_zero", True):
+    if isinstance(dest, str) and getattr(strategy, "is_global_zero", True):
         _say_if_reversioned(dest)
     if not staged:
         return wrapped(*args, **kwargs)
@@ -303,11 +317,13 @@ def sharded_save(
             del strategy.broadcast  # the class's method again
 
 
-def _commits(local: str, settings: Settings) -> bool:
+def _commits(local: Union[str, ObjectURL], settings: Settings) -> bool:
     """Whether a sharded save to the local path ``local`` is committed (rank 0's verdict is
     every rank's): not inside a directory that is staging already, not a local disk with
     ``skip_local_disk``. As Lightning's save does, its parents are made and a file there is
-    replaced by the checkpoint directory."""
+    replaced by the checkpoint directory. An object-store URL is always committed."""
+    if isinstance(local, ObjectURL):
+        return True
     with contextlib.suppress(OSError):
         os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
         if os.path.isfile(local) and not os.path.islink(local):
@@ -316,6 +332,7 @@ def _commits(local: str, settings: Settings) -> bool:
         real = destination_directory(local)
     except OSError:
         return False  # Lightning's own save then fails as it would
+    assert isinstance(real, Path)  # a path's (a URL's: committed above)
     if _patch.in_unstaged_dir(real):
         return False
     return not (settings.skip_local_disk and is_local_disk(real.parent))
@@ -364,6 +381,16 @@ def _key(local: str) -> Path:
     return resolved if resolved is not None else Path(os.path.abspath(local))
 
 
+def _store_url(path: Any) -> Optional[ObjectURL]:
+    """The object a checkpoint path names in a store safestage serves (``s3://``, ``gs://``,
+    ``az://``), else None: a path, or a URL of another scheme, fsspec's, which the wrapped
+    plugin saves as it always did (never refused here: it worked before)."""
+    try:
+        return file_url(os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path))
+    except ConfigError:
+        return None
+
+
 def _local_path(path: Any) -> Optional[str]:
     """The local filesystem path of a checkpoint path or ``file://`` URL, else None."""
     from fsspec.utils import get_protocol
@@ -376,6 +403,10 @@ def _local_path(path: Any) -> Optional[str]:
 
 def _settle(path: Any) -> None:
     """Wait for a pending background publish of the checkpoint ``path`` (none: at once)."""
+    url = _store_url(path)
+    if url is not None:
+        _work.settle(url)
+        return
     local = _local_path(path)
     if local is not None:
         _work.settle(_key(local))

@@ -37,6 +37,13 @@ one process the wait for its files (``SAFESTAGE_BACKGROUND``: written and publis
 threads from copies of the state) goes on that thread too, so the Trainer's loop waits only for
 the copies; with several ranks ``on_save`` waits for this rank's files before the barrier.
 
+``CommitCallback(destination="s3://bucket/run")`` (or another directory) commits each local
+``checkpoint-N`` to ``destination/checkpoint-N`` instead, through ``staged_dir``: its files
+are linked (copied across devices) into a local directory of the staging root on the Trainer's
+thread, then uploaded and the commit object created last, in the background with
+``background=True``; ``keep=N`` prunes ``destination``. The local ``output_dir`` stays the
+Trainer's own (resume from it, or from ``safestage.fetch``).
+
 What it holds is glue only: when to commit (the Trainer's events, the barrier) and where
 (``checkpoint-<global_step>`` under ``output_dir``). Reading back and committing are the core's.
 transformers is imported when this module is.
@@ -47,6 +54,8 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -54,6 +63,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from ._config import PathArg, Publish
+from ._destination import Destination, url_of
 from ._errors import ConfigError, PublishError
 from ._paths import real_directory
 from .checkpoint._manifest import Manifest
@@ -89,6 +99,14 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
     and returns; training goes on. One at a time: before the Trainer writes the next
     checkpoint (and at the next ``on_save``, at ``on_train_end``) the callback waits for it,
     and raises its PublishError there if it failed (as ``safestage.wait()`` and exit do).
+
+    ``destination`` (an object-store URL, ``s3://bucket/run``, ``gs://``, ``az://``, or a
+    directory): each checkpoint is committed to ``destination/checkpoint-N`` with
+    ``safestage.staged_dir`` (the files of ``output_dir/checkpoint-N``, linked or copied into
+    its local directory on the Trainer's thread; with ``background=True`` uploaded and
+    committed while training goes on), and ``keep=N`` prunes ``destination``, never
+    ``output_dir``. ``best_model_checkpoint`` is not spared there (it names a local path).
+    The saving process commits what it sees in ``output_dir``: one node, or a shared one.
     """
 
     def __init__(
@@ -99,6 +117,7 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         fsync: bool = True,
         keep: Optional[int] = None,
         background: bool = False,
+        destination: Optional[PathArg] = None,
     ) -> None:
         from . import _config, _work
         from .checkpoint import _prune
@@ -116,6 +135,12 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
             None if keep is None
             else _prune.Retention(_prune.check_keep(keep, "safestage.transformers.CommitCallback"), f"{_PREFIX}-*")
         )  # fmt: skip
+        self._keep = keep
+        # Where each checkpoint is committed, if not in place: a URL (url_of) or a directory.
+        self._destination: Optional[Destination] = (
+            None if destination is None else url_of(destination) or Path(os.fspath(destination))
+        )
+        self._pending: Optional[tuple[Path, Any, float]] = None  # a background staged_dir's commit
         self.committed: list[tuple[Path, Manifest, float]] = []
         self._started: Optional[float] = None  # when the Trainer began writing the checkpoint
         _work.adopt(self)  # its commits may run in the background in this process only
@@ -128,7 +153,7 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         _work.adopt(self)  # also when made in another process (unpickled, forked)
         if args.should_save and args.save_total_limit is not None and args.save_total_limit > 0:
             self._warn_rotation(args.save_total_limit)
-        if state.global_step > 0 and args.should_save:
+        if state.global_step > 0 and args.should_save and self._destination is None:
             resumed = self._checkpoint(args, state)
             from .checkpoint._verify import verify
 
@@ -160,6 +185,9 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
         self._wait_for_commit("at the next on_save")  # landed before the next one, or raised
         started, self._started = self._started, None  # this checkpoint's; the next sets its own
         spare = self._best(state)
+        if self._destination is not None:
+            self._commit_elsewhere(args, checkpoint)
+            return
         if self._background and _work.may_defer(self) and not _many_ranks():
             # One process: its files are all the commit waits for, so that wait goes on the
             # commit's thread too, and the Trainer's loop waits only for the copies of its state
@@ -225,6 +253,38 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
             return None
         return real_directory(checkpoint) or checkpoint
 
+    def _commit_elsewhere(self, args: Any, checkpoint: Path) -> None:
+        """``destination``: once every rank has written ``checkpoint``, the saving process
+        commits its files to ``destination/checkpoint-N`` (staged_dir: the one commit
+        sequence), in the background with ``background=True``."""
+        from . import _work
+        from .checkpoint._staged_dir import staged_dir
+
+        _raise_unless_rotated(_work.failures(), checkpoint)
+        _barrier()  # every rank has written its files
+        local_dir = self._committable(args, checkpoint)
+        if local_dir is None:
+            return
+        assert self._destination is not None
+        began = time.perf_counter()
+        settings = self._settings
+        handle = staged_dir(str(self._destination / checkpoint.name), settings.root, publish=settings.publish,
+                            fsync=settings.fsync, keep=self._keep, background=self._background)  # fmt: skip
+        with handle as local:
+            _link_tree(local_dir, local)
+        if self._background:
+            self._pending = (checkpoint, handle, began)
+            return
+        self._landed(checkpoint, handle.wait(), began)
+
+    def _landed(self, checkpoint: Path, manifest: Manifest, began: float) -> None:
+        seconds = time.perf_counter() - began
+        self.committed.append((checkpoint, manifest, seconds))
+        log.info(
+            "%s: committed to %s (%d files, %d bytes) in %.3fs",
+            checkpoint, self._destination, len(manifest.files), manifest.total_bytes, seconds,
+        )  # fmt: skip
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._wait_for_commit("at the end of training")  # the last checkpoint has landed, or raised
 
@@ -270,6 +330,10 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
 
         try:
             _work.wait(self)
+            pending, self._pending = self._pending, None
+            if pending is not None:  # destination=, background=True: its staged_dir's handle
+                checkpoint, handle, began = pending
+                self._landed(checkpoint, handle.wait(), began)
         except BaseException as exc:
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(
@@ -309,6 +373,20 @@ class CommitCallback(TrainerCallback):  # type: ignore[misc]
             if checkpoint.is_dir() and invalidate(checkpoint, fsync=self._settings.fsync):
                 log.info("%s is being rewritten: its commit file was removed first", checkpoint)
         _barrier()
+
+
+def _link_tree(source: Path, local: Path) -> None:
+    """The files of ``source`` into ``local`` (a staged_dir's local directory), as hard links
+    (the Trainer never rewrites a file of a checkpoint it has written) or, across devices or
+    where links are refused, copies."""
+    for directory, _, files in os.walk(source):
+        here = local / os.path.relpath(directory, source)
+        here.mkdir(exist_ok=True)
+        for name in sorted(files):
+            try:
+                os.link(os.path.join(directory, name), here / name)
+            except OSError:  # EXDEV, EPERM: a copy
+                shutil.copyfile(os.path.join(directory, name), here / name)
 
 
 def _rotated(checkpoint: Path) -> bool:

@@ -273,7 +273,14 @@ class Commit:
     def prepare(self, tree: Optional[Tree], *, vouching: tuple[str, ...] = ()) -> dict[str, str]:
         """The coordinator, once, before any file of this commit is published anywhere.
         Returns why each temp file that stays at the destination stays ({path: reason})."""
-        dest, local = self._opened()
+        dest: Destination
+        local: Optional[Path]
+        if self.local is None and isinstance(self.dest, ObjectURL):
+            # DCP's coordinator prepares before it opens its local directory (safestage.dcp):
+            # a bucket has no files in place, so there is no copy to name yet.
+            dest, local = self.dest, None
+        else:
+            dest, local = self._opened()
         _work.settle(under=dest)  # an older background save of a file in it lands now, never after
         self.removed_commit, staying = prepare_destination(dest, tree or Tree(), local, fsync=self.settings.fsync,
                                                            vouching=vouching)  # fmt: skip
@@ -890,7 +897,7 @@ def check_destination(dest: Path, tree: Tree) -> None:
 
 
 def prepare_destination(
-    dest: Destination, tree: Tree, local: Path, *, fsync: bool, vouching: tuple[str, ...] = ()
+    dest: Destination, tree: Tree, local: Optional[Path], *, fsync: bool, vouching: tuple[str, ...] = ()
 ) -> tuple[bool, dict[str, str]]:
     """Create ``dest`` and its subdirectories. Before anything is written there, remove its
     commit file and set-aside marker, the files that make a stock reader trust it
@@ -899,6 +906,7 @@ def prepare_destination(
     stays."""
     if isinstance(dest, ObjectURL):
         return _prepare_prefix(dest, tree, local, vouching), {}
+    assert local is not None
     step = "mkdir"
     removed = False
     staying: dict[str, str] = {}
@@ -948,7 +956,7 @@ def prepare_destination(
     return removed, staying
 
 
-def _prepare_prefix(dest: ObjectURL, tree: Tree, local: Path, vouching: tuple[str, ...]) -> bool:
+def _prepare_prefix(dest: ObjectURL, tree: Tree, local: Optional[Path], vouching: tuple[str, ...]) -> bool:
     """``prepare_destination`` on an object store: the previous commit object goes first, in a
     request of its own (a commit killed after it leaves no commit vouching for a mix of old and
     new objects), then the set-aside marker and the trust files, in one batched delete. There
@@ -965,8 +973,9 @@ def _prepare_prefix(dest: ObjectURL, tree: Tree, local: Path, vouching: tuple[st
         state = ("Nothing was published" + _previous(removed, ", but the previous commit object was "
                  f"removed first: {dest} is not complete until a commit succeeds") + ".")  # fmt: skip
         raise PublishError(
-            exc.errno, f"safestage could not commit {dest}: {exc.message} {state} The checkpoint is kept at {local}.",
-            str(dest), staged_path=str(local), step="invalidate", landed=(), not_landed=tuple(sorted(tree.paths)),
+            exc.errno, f"safestage could not commit {dest}: {exc.message} {state}"
+            + ("" if local is None else f" The checkpoint is kept at {local}."), str(dest),
+            staged_path=None if local is None else str(local), step="invalidate", landed=(), not_landed=tuple(sorted(tree.paths)),
         ) from exc  # fmt: skip
     return removed
 
