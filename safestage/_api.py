@@ -153,7 +153,7 @@ class Stage(contextlib.ContextDecorator):
     def _save(
         self,
         serialize: Callable[[str], None],
-        dest: Path,
+        dest: Destination,
         *,
         as_error: Callable[[BaseException], BaseException] = as_safetensors_error,
         needs: Optional[int] = None,

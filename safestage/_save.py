@@ -138,7 +138,7 @@ def plan(
 
 def run(
     write: Callable[[str], None],
-    dest: Path,
+    dest: Destination,
     settings: Settings,
     *,
     owner: object,
@@ -163,10 +163,14 @@ def run(
     with _work.running("file", dest, owner, job=job) as job:
         root = staging_root(settings)
         way = plan(settings, dest, root, needs=needs, owner=owner)
+        # plan: only a local directory's save is written in place or followed; an object is
+        # always staged, then uploaded.
         if way == "unstaged":
+            assert isinstance(dest, Path), dest
             record(write_unstaged(write, dest, settings))
             return
         if way == "followed":
+            assert isinstance(dest, Path), dest
             _work.settle(dest)  # an earlier background publish of it lands first
             try:
                 following = write_following(write, dest, root, settings, needs=needs)
@@ -231,7 +235,7 @@ def publish(
 def _serialize_later(
     write: Callable[[str], None],
     held: Held,
-    dest: Path,
+    dest: Destination,
     settings: Settings,
     root: Optional[StagingRoot],
     job: _work.Job,
@@ -254,7 +258,8 @@ def _serialize_later(
     def work() -> Optional[PublishRecord]:
         try:
             try:
-                if root is None or private is None:  # deferred
+                if root is None or private is None:  # deferred: into a local directory
+                    assert isinstance(dest, Path), dest
                     _write_in_place(write, dest, settings)
                     return None
                 # Room was checked at the call, before the copies of earlier saves were

@@ -338,7 +338,7 @@ def _write_checked(write: Callable[[str], None], staged: Path, dest: Destination
 
 def write_local(
     write: Callable[[str], None],
-    dest: Path,
+    dest: Destination,
     staging: StagingRoot,
     *,
     needs: Optional[int] = None,

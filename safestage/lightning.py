@@ -49,7 +49,7 @@ from typing import Any, Callable, NoReturn, Optional, Union
 
 from . import _config, _object_store, _patch, _save, _work, _writers
 from ._config import PathArg, Publish, Settings
-from ._destination import ObjectURL, file_url
+from ._destination import Destination, ObjectURL, file_url
 from ._errors import ConfigError
 from ._mounts import is_local_disk
 from ._paths import resolve_destination
@@ -150,10 +150,11 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 f" is not supported for `{type(self).__name__}` with the default TorchCheckpointIO."
                 " Pass a custom `checkpoint_io` that handles `storage_options`."
             )
-        # The file wing takes a URL as a destination at run time (the switch's saves); its
-        # signatures still say Path.
-        dest: Any = url
-        if local is not None:
+        dest: Destination
+        if url is not None:
+            dest = url
+        else:
+            assert local is not None
             # TorchCheckpointIO makes the checkpoint's directory (ModelCheckpoint relies on it).
             os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
             _say_if_reversioned(local)
@@ -242,8 +243,7 @@ class StagedCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 def copy(staged: str) -> None:
                     shutil.copyfile(filepath, staged)
 
-                link: Any = _save.destination(local)  # a path (file_url: none here)
-                _save.run(copy, link, self.settings, owner=self, record=self._record)
+                _save.run(copy, _save.destination(local), self.settings, owner=self, record=self._record)
         trainer.strategy.barrier()
 
     def _record(self, record: PublishRecord) -> None:
