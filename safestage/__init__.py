@@ -9,6 +9,7 @@
         trainer_like_save(local)                                           # committed last
     safestage.latest_complete("/mnt/s3/run42")                             # resume from here
     safestage.prune("/mnt/s3/run42", keep=3)                               # retention
+    safestage.fetch("s3://bucket/run42", "/local/ckpt")                    # resume from a bucket
 
 Importing safestage imports only the standard library: torch, safetensors and wrapt are
 touched when staging is first activated.
@@ -20,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from . import _lifecycle  # noqa: F401 - the at-fork resets, registered once
 from ._api import Stage, activate, is_active, staged, staged_file, wait
-from ._errors import ConfigError, PublishError, SafestageError, StagingError
+from ._errors import ConfigError, FetchError, PublishError, SafestageError, StagingError
 from ._loud import install as _install_last_resort
 from ._stage import PublishRecord
 
 if TYPE_CHECKING:
     from ._object_store import configure_store
+    from .checkpoint._fetch import fetch
     from .checkpoint._in_place import commit_in_place
     from .checkpoint._manifest import COMMIT_NAME, FileEntry, Manifest
     from .checkpoint._prune import prune
@@ -39,6 +41,7 @@ _LAZY = {
     "StagedDir": "checkpoint._staged_dir",
     "staged_dir": "checkpoint._staged_dir",
     "commit_in_place": "checkpoint._in_place",
+    "fetch": "checkpoint._fetch",
     "COMMIT_NAME": "checkpoint._manifest",
     "FileEntry": "checkpoint._manifest",
     "Manifest": "checkpoint._manifest",
@@ -74,6 +77,7 @@ __version__ = "0.5.0"
 __all__ = [
     "COMMIT_NAME",
     "ConfigError",
+    "FetchError",
     "FileEntry",
     "Manifest",
     "Problem",
@@ -89,6 +93,7 @@ __all__ = [
     "activate",
     "commit_in_place",
     "configure_store",
+    "fetch",
     "is_active",
     "latest_complete",
     "prune",

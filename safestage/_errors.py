@@ -78,6 +78,12 @@ class PublishError(_PathError):
         self.not_landed = not_landed
 
 
+
+class FetchError(_PathError):
+    """Downloading a committed checkpoint from an object store failed (``safestage.fetch``):
+    an object missing (ENOENT), overwritten since the commit (ESTALE), not matching its CRC-32
+    (EBADMSG), or the store's or the local disk's error. The local copy has no commit file."""
+
 def as_safetensors_error(exc: BaseException) -> BaseException:
     """Make ``exc``, raised inside a patched save, also a ``safetensors.SafetensorError``
     (in place: its traceback and chain stay as they are). Anything else is returned as is."""

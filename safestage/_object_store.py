@@ -21,14 +21,17 @@ Errors name the URL, the operation and the store's answer, never a secret.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ._destination import SCHEMES, ObjectURL, url_of
 from ._errors import ConfigError, PublishError
@@ -41,6 +44,10 @@ log = logging.getLogger("safestage")
 PART_BYTES = 8 << 20
 PARTS_AT_ONCE = 8
 MAX_PARTS = 9_000
+# A download's ranged GETs, and how many are in flight: the client holds at most
+# RANGE_BYTES * RANGES_AT_ONCE of an object (benchmarks/fetch_memory.py).
+RANGE_BYTES = PART_BYTES
+RANGES_AT_ONCE = PARTS_AT_ONCE
 # Objects listed per LIST request (the stores' own maximum page).
 PAGE = 1000
 
@@ -235,6 +242,68 @@ def read_range(url: ObjectURL, start: int, length: int) -> bytes:
         if not _from_store(exc):
             raise
         raise _error(exc, url, "read") from exc
+
+
+def download(
+    url: ObjectURL,
+    write: Callable[[memoryview], None],
+    *,
+    size: int,
+    etag: Optional[str],
+    chunk: int = RANGE_BYTES,
+    at_once: int = RANGES_AT_ONCE,
+) -> None:
+    """Read the object ``url``, which must be ``size`` bytes and, given ``etag``, the object of
+    that ETag (If-Match on every request), in ranged GETs of ``chunk`` bytes, ``at_once`` of
+    them in flight, and hand each range to ``write`` in order. The client holds at most
+    ``at_once`` ranges: memory is ``chunk * at_once``, never the object. Raises StoreError:
+    ENOENT no such object; ESTALE another object is there now (overwritten since the ETag or
+    size was recorded), whose bytes ``write`` never mixes with the first one's."""
+    import obstore
+
+    store = _store(url)
+    condition: dict[str, Any] = {"if_match": etag} if etag else {}
+
+    def get(start: int) -> Any:
+        end = min(start + chunk, size)
+        try:
+            options: dict[str, Any] = dict(condition)
+            if end > start:  # a 0-byte object has no range to ask for: one plain GET
+                options["range"] = (start, end)
+            answer = obstore.get(store, url.key, options=options)  # type: ignore[arg-type]
+            if answer.meta["size"] != size:  # before the body: never read a stranger whole
+                raise StoreError(errno.ESTALE, f"safestage: {url} is {answer.meta['size']} bytes, not the {size} "
+                                 "recorded: another object is there now", str(url))  # fmt: skip
+            data = answer.bytes()
+        except StoreError:
+            raise
+        except Exception as exc:
+            if not _from_store(exc):
+                raise
+            if type(exc).__name__ == "PreconditionError":  # If-Match failed: 412
+                raise StoreError(errno.ESTALE, f"safestage: {url} is no longer the object of ETag {etag}: "
+                                 f"it was overwritten since ({_answer(exc)})", str(url)) from exc  # fmt: skip
+            raise _error(exc, url, "read") from exc
+        if len(data) != end - start:
+            raise StoreError(errno.ESTALE, f"safestage: {url} answered {len(data)} bytes at {start}, not "
+                             f"{end - start}: it changed while it was read", str(url))  # fmt: skip
+        return data
+
+    starts = iter(range(0, size, chunk) if size else [0])
+    with ThreadPoolExecutor(max_workers=max(1, at_once), thread_name_prefix="safestage-get") as pool:
+        window: deque[Future[Any]] = deque()
+        try:
+            for start in itertools.islice(starts, max(1, at_once)):
+                window.append(pool.submit(get, start))
+            while window:
+                data = window.popleft().result()
+                write(memoryview(data))
+                del data  # gone before the next range is asked for: at most at_once held
+                for start in itertools.islice(starts, 1):
+                    window.append(pool.submit(get, start))
+        finally:
+            for pending in window:
+                pending.cancel()
 
 
 def head(url: ObjectURL) -> Optional[ObjectInfo]:

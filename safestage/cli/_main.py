@@ -1,4 +1,4 @@
-"""The `safestage` command: doctor, run, status, clean, recover, verify, latest, prune, demo, kit. The
+"""The `safestage` command: doctor, run, status, clean, recover, verify, latest, prune, fetch, demo, kit. The
 only module that prints.
 
 Exit status: 0 all good; 1 the command found a problem (doctor: a plain save fails or loses
@@ -282,6 +282,25 @@ def _parser() -> argparse.ArgumentParser:
                        help="also look for live commits in this staging root")  # fmt: skip
     prune.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     prune.set_defaults(handler=_prune)
+
+    fetch = commands.add_parser(
+        "fetch",
+        help="download a committed checkpoint from an object store (s3://, gs://, az://)",
+        description="Download the committed checkpoint URL (it holds _SAFESTAGE_COMMIT.json), or "
+        "the newest complete checkpoint under the run URL (as `latest` finds it), into "
+        "LOCAL_DIR/<its name>: every object it lists, checked against the commit (ETag, size, "
+        "CRC-32), the commit file written last. Prints the local checkpoint's path on stdout "
+        "(what was done on stderr). Exit 0 fetched; 1 no complete checkpoint there; 2 usage; 3 "
+        "the fetch failed (an object missing, overwritten since the commit, not matching its "
+        "CRC-32, or the store or the disk failed): the local copy has no commit file, and "
+        "running the same command again resumes it.",
+    )
+    fetch.add_argument("url", metavar="URL", help="a checkpoint or run URL (s3://bucket/run)")
+    fetch.add_argument("local_dir", metavar="LOCAL_DIR", type=Path, help="the local directory to fetch into")
+    fetch.add_argument("--pattern", metavar="P", default="checkpoint-*", type=_pattern_argument,
+                       help="for a run URL: fnmatch pattern of checkpoint names whose last * is the "
+                       "step number (default: checkpoint-*)")  # fmt: skip
+    fetch.set_defaults(handler=_fetch)
 
     demo = commands.add_parser(
         "demo",
@@ -846,6 +865,32 @@ def _latest(args: argparse.Namespace) -> int:
               + _what_else(args.parent, args.pattern), file=sys.stderr)  # fmt: skip
         return 1
     print(found)
+    return 0
+
+
+# `safestage fetch`: 0 fetched (the path printed), 1 no complete checkpoint, 2 usage, 3 failed.
+FETCH_FAILED = 3
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from ..checkpoint._fetch import NothingCommitted, fetch_checkpoint
+
+    try:
+        fetched = fetch_checkpoint(args.url, args.local_dir, pattern=args.pattern)
+    except ConfigError as exc:
+        print(f"safestage fetch: {exc}", file=sys.stderr)
+        return 2
+    except NothingCommitted as exc:
+        print(f"safestage fetch: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        # Not 1: a resume script must not start from scratch because a download failed.
+        print(f"safestage fetch: {exc}", file=sys.stderr)
+        return FETCH_FAILED
+    print(f"safestage fetch: {fetched.source} -> {fetched.path}: {fetched.files} files, "
+          f"{fetched.nbytes} bytes downloaded, {fetched.kept} already there, in "
+          f"{fetched.seconds:.1f} s", file=sys.stderr)  # fmt: skip
+    print(fetched.path)
     return 0
 
 
