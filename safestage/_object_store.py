@@ -21,17 +21,16 @@ Errors name the URL, the operation and the store's answer, never a secret.
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import threading
 import time
-from collections import deque
+import zlib
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ._destination import SCHEMES, ObjectURL, url_of
 from ._errors import ConfigError, PublishError
@@ -44,10 +43,11 @@ log = logging.getLogger("safestage")
 PART_BYTES = 8 << 20
 PARTS_AT_ONCE = 8
 MAX_PARTS = 9_000
-# A download's ranged GETs, and how many are in flight: the client holds at most
-# RANGE_BYTES * RANGES_AT_ONCE of an object (benchmarks/fetch_memory.py).
+# A download's ranged GETs, how many are in flight, and the pieces each is streamed in: the
+# client holds about PIECE_BYTES * RANGES_AT_ONCE of an object (benchmarks/fetch_memory.py).
 RANGE_BYTES = PART_BYTES
 RANGES_AT_ONCE = PARTS_AT_ONCE
+PIECE_BYTES = 1 << 20
 # Objects listed per LIST request (the stores' own maximum page).
 PAGE = 1000
 
@@ -246,35 +246,46 @@ def read_range(url: ObjectURL, start: int, length: int) -> bytes:
 
 def download(
     url: ObjectURL,
-    write: Callable[[memoryview], None],
+    fd: int,
     *,
     size: int,
     etag: Optional[str],
     chunk: int = RANGE_BYTES,
     at_once: int = RANGES_AT_ONCE,
-) -> None:
-    """Read the object ``url``, which must be ``size`` bytes and, given ``etag``, the object of
-    that ETag (If-Match on every request), in ranged GETs of ``chunk`` bytes, ``at_once`` of
-    them in flight, and hand each range to ``write`` in order. The client holds at most
-    ``at_once`` ranges: memory is ``chunk * at_once``, never the object. Raises StoreError:
-    ENOENT no such object; ESTALE another object is there now (overwritten since the ETag or
-    size was recorded), whose bytes ``write`` never mixes with the first one's."""
+) -> int:
+    """Write the object ``url`` into the open file ``fd`` (at its offsets, with pwrite) and
+    return the CRC-32 of what was written. The object must be ``size`` bytes and, given
+    ``etag``, the object of that ETag: every request is conditional on it (If-Match), so that
+    the ranges all come from one object. Ranged GETs of ``chunk`` bytes, ``at_once`` of them in
+    flight, each streamed in pieces of ``PIECE_BYTES``: the client holds about ``at_once``
+    pieces, never a range or the object. Raises StoreError: ENOENT no such object; ESTALE
+    another object is there now (overwritten since the ETag or size was recorded)."""
     import obstore
 
     store = _store(url)
     condition: dict[str, Any] = {"if_match": etag} if etag else {}
+    stop = threading.Event()
 
-    def get(start: int) -> Any:
+    def get(start: int) -> tuple[int, int]:
+        """One range: (its CRC-32, its length)."""
         end = min(start + chunk, size)
+        options = dict(condition)
+        if end > start:  # a 0-byte object has no range to ask for: one plain GET
+            options["range"] = (start, end)
+        crc, offset = 0, start
         try:
-            options: dict[str, Any] = dict(condition)
-            if end > start:  # a 0-byte object has no range to ask for: one plain GET
-                options["range"] = (start, end)
             answer = obstore.get(store, url.key, options=options)  # type: ignore[arg-type]
-            if answer.meta["size"] != size:  # before the body: never read a stranger whole
+            if answer.meta["size"] != size:  # before the body: never read a stranger
                 raise StoreError(errno.ESTALE, f"safestage: {url} is {answer.meta['size']} bytes, not the {size} "
                                  "recorded: another object is there now", str(url))  # fmt: skip
-            data = answer.bytes()
+            for piece in answer.stream(min_chunk_size=PIECE_BYTES):
+                if stop.is_set():
+                    return crc, offset - start  # another range failed: its error is raised
+                view = memoryview(piece)
+                crc = zlib.crc32(view, crc)
+                while view:
+                    written = os.pwrite(fd, view, offset)
+                    offset, view = offset + written, view[written:]
         except StoreError:
             raise
         except Exception as exc:
@@ -284,26 +295,62 @@ def download(
                 raise StoreError(errno.ESTALE, f"safestage: {url} is no longer the object of ETag {etag}: "
                                  f"it was overwritten since ({_answer(exc)})", str(url)) from exc  # fmt: skip
             raise _error(exc, url, "read") from exc
-        if len(data) != end - start:
-            raise StoreError(errno.ESTALE, f"safestage: {url} answered {len(data)} bytes at {start}, not "
+        if offset != end:
+            raise StoreError(errno.ESTALE, f"safestage: {url} answered {offset - start} bytes at {start}, not "
                              f"{end - start}: it changed while it was read", str(url))  # fmt: skip
-        return data
+        return crc, end - start
 
-    starts = iter(range(0, size, chunk) if size else [0])
-    with ThreadPoolExecutor(max_workers=max(1, at_once), thread_name_prefix="safestage-get") as pool:
-        window: deque[Future[Any]] = deque()
-        try:
-            for start in itertools.islice(starts, max(1, at_once)):
-                window.append(pool.submit(get, start))
-            while window:
-                data = window.popleft().result()
-                write(memoryview(data))
-                del data  # gone before the next range is asked for: at most at_once held
-                for start in itertools.islice(starts, 1):
-                    window.append(pool.submit(get, start))
-        finally:
-            for pending in window:
-                pending.cancel()
+    starts = range(0, size, chunk) if size else range(1)
+    if len(starts) == 1:
+        return get(0)[0]
+    pool = ThreadPoolExecutor(max_workers=max(1, at_once), thread_name_prefix="safestage-get")
+    try:
+        total = 0
+        for future in [pool.submit(get, start) for start in starts]:  # the pool runs at_once at a time
+            crc, length = future.result()
+            total = crc32_combine(total, crc, length)
+        return total
+    finally:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# CRC-32 (zlib's polynomial, reflected) of two pieces from theirs: zlib's crc32_combine, which
+# Python's zlib does not expose (multmodp and x2nmodp of zlib 1.2.12's crc32.c).
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table, p = [1 << 30], 1 << 30  # x^1
+    for _ in range(31):
+        p = _multmodp(p, p)
+        table.append(p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The CRC-32 of A + B from ``crc1`` of A, ``crc2`` of B and B's length."""
+    p, k, n = 1 << 31, 3, length2  # x^0; k = 3: bytes to bits
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ (crc2 & 0xFFFFFFFF)
 
 
 def head(url: ObjectURL) -> Optional[ObjectInfo]:

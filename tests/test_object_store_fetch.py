@@ -7,7 +7,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,16 +91,27 @@ def test_an_object_larger_than_a_range_comes_back_whole(bucket: str, root: Path,
     assert local_files(fetched) == saved and safestage.verify(fetched).complete
 
 
-def test_ranges_are_handed_over_in_order_with_a_bounded_window(bucket: str, root: Path) -> None:
-    """More ranges than are in flight at once: the window slides, the bytes stay in order, and
-    no range larger than the chunk is ever held."""
+def test_ranges_land_in_place_with_the_crc32_of_the_whole(bucket: str, tmp_path: Path) -> None:
+    """More ranges than are in flight at once, the last one short: the file is the object, and
+    the CRC-32 combined from the ranges' is the whole object's."""
     data = os.urandom(5 * 1000 + 17)
     target = url(f"s3://{bucket}/blob")
     etag = _object_store.put_bytes(target, data)
-    pieces: list[bytes] = []
-    _object_store.download(target, lambda piece: pieces.append(bytes(piece)), size=len(data), etag=etag,
-                           chunk=1000, at_once=2)  # fmt: skip
-    assert b"".join(pieces) == data and len(pieces) == 6 and max(map(len, pieces)) == 1000
+    fd = os.open(tmp_path / "blob", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        crc = _object_store.download(target, fd, size=len(data), etag=etag, chunk=1000, at_once=2)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "blob").read_bytes() == data and crc == zlib.crc32(data)
+
+
+def test_crc32_combine_is_the_crc32_of_the_concatenation() -> None:
+    generator = random.Random(31)
+    sizes = [0, 1, 3, 255, 256, 4097, 1 << 20, (8 << 20) + 17]
+    for first in sizes:
+        for second in sizes:
+            a, b = generator.randbytes(first), generator.randbytes(second)
+            assert _object_store.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b), (first, second)
 
 
 def test_an_object_overwritten_after_the_commit_is_refused_and_no_commit_file_is_left(

@@ -5,7 +5,7 @@ reads the commit object first (``_manifest``: each object's size, CRC-32 and ETa
 downloads each listed object in parallel ranged GETs, each GET conditional on the object's
 ETag in the commit (If-Match), so that an object a stale writer overwrote since the commit is
 refused (ESTALE), never mixed into the copy (``_object_store.download``). Each file is checked
-against its size and CRC-32 while it is written, lands under a temp name (``_names``) and is
+against its size and CRC-32 (each range's, combined) while it is written, lands under a temp name (``_names``) and is
 renamed into place; the commit file is written last, with the commit object's own bytes. The
 local copy is then itself a complete checkpoint: ``verify`` passes on it, ``latest_complete``
 of the local directory names it, and ``from_pretrained``, ``dcp.load`` or a Trainer's
@@ -18,8 +18,9 @@ again; temp files of a fetch that was killed are removed (``safestage clean``'s 
 Files in the local directory that the commit does not list are left alone (``verify --deep``
 names them).
 
-Memory: one file at a time, ``RANGES_AT_ONCE`` ranges of ``RANGE_BYTES`` in flight, so the
-client holds at most their product (64 MiB), never a file (benchmarks/fetch_memory.py).
+Memory: one file at a time, ``RANGES_AT_ONCE`` ranged GETs of ``RANGE_BYTES`` in flight, each
+written where it belongs as it streams in, in pieces of ``PIECE_BYTES``: the client holds a few
+pieces per range in flight, never a range or a file (benchmarks/fetch_memory.py).
 """
 
 from __future__ import annotations
@@ -219,24 +220,14 @@ def _fetch_file(source: ObjectURL, entry: FileEntry, dest: Path) -> None:
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         claim(fd, temp)  # locked while written: `safestage clean` leaves it alone
-        crc = Crc32()
-        written = [0]
-
-        def write(piece: memoryview) -> None:
-            crc.update(piece)
-            write_all(fd, piece)
-            written[0] += len(piece)
-
-        _object_store.download(source, write, size=entry.size, etag=entry.etag)
-        if written[0] != entry.size:  # download checks each range: this would be a bug
+        crc = _object_store.download(source, fd, size=entry.size, etag=entry.etag)
+        if f"{crc:08x}" != entry.digest:
             raise FetchError(
-                errno.EIO,
-                f"{source}: {written[0]} bytes written, {entry.size} expected",
+                errno.EBADMSG,
+                f"{source} has CRC-32 {crc:08x}, the commit says {entry.digest}: it is not the "
+                "object that was committed",
                 str(source),
             )
-        if crc.hexdigest() != entry.digest:
-            raise FetchError(errno.EBADMSG, f"{source} has CRC-32 {crc.hexdigest()}, the commit says "
-                             f"{entry.digest}: it is not the object that was committed", str(source))  # fmt: skip
         os.fsync(fd)
         os.close(fd)
         fd = -1
