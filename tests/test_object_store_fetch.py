@@ -8,6 +8,10 @@ import errno
 import json
 import os
 import random
+import signal
+import subprocess
+import sys
+import time
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -48,10 +52,10 @@ def url(text: str) -> ObjectURL:
     return found
 
 
-def commit(dest: str, root: Path, seed: int, *, large: bool = False) -> dict[str, bytes]:
+def commit(dest: str, root: Path, seed: int, *, numel: int = 4096) -> dict[str, bytes]:
     """Commit a Trainer-like checkpoint to ``dest`` with staged_dir; its files' bytes."""
     with safestage.staged_dir(dest, root) as local:
-        save_file(seeded_tensors(seed, numel=(5 << 20) if large else 4096), local / "model.safetensors")
+        save_file(seeded_tensors(seed, numel=numel), local / "model.safetensors")
         torch.save({"step": seed, "lr": 0.1}, local / "optimizer.pt")
         (local / "tokenizer").mkdir()
         (local / "tokenizer" / "config.json").write_text(json.dumps({"seed": seed}))
@@ -83,7 +87,7 @@ def test_a_fetched_checkpoint_is_the_committed_one_and_complete_locally(bucket: 
 
 def test_an_object_larger_than_a_range_comes_back_whole(bucket: str, root: Path, tmp_path: Path) -> None:
     dest = f"s3://{bucket}/run/checkpoint-7"
-    saved = commit(dest, root, seed=2, large=True)  # 20 MiB of weights: multipart, 3 ranges
+    saved = commit(dest, root, seed=2, numel=5 << 20)  # 20 MiB of weights: multipart, 3 ranges
     assert len(saved["model.safetensors"]) > 2 * _object_store.RANGE_BYTES
     info = _object_store.head(url(f"{dest}/model.safetensors"))
     assert info is not None and info.etag is not None and "-" in info.etag  # uploaded multipart
@@ -190,14 +194,39 @@ def test_a_local_file_that_differs_is_fetched_again(bucket: str, root: Path, tmp
     assert local_files(target) == saved and safestage.verify(target, deep=True).complete
 
 
+def test_a_fetch_killed_mid_download_leaves_no_commit_file_and_a_rerun_finishes_it(
+    bucket: str, root: Path, tmp_path: Path
+) -> None:
+    dest = f"s3://{bucket}/run/checkpoint-100"
+    saved = commit(dest, root, seed=11, numel=16 << 20)  # 64 MiB: 8 ranges, long enough to be caught
+    target = tmp_path / "checkpoint-100"
+    script = f"import safestage; safestage.fetch({dest!r}, {str(tmp_path)!r})"
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while not (target.is_dir() and [name for name in os.listdir(target) if name.endswith(".tmp")]):
+            assert child.poll() is None and time.monotonic() < deadline, "the fetch ended before it was caught"
+            time.sleep(0.002)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    assert child.returncode == -signal.SIGKILL  # the kill fired, mid-download
+    temps = [name for name in os.listdir(target) if name.endswith(".tmp")]
+    assert temps and not (target / COMMIT_NAME).exists() and safestage.latest_complete(tmp_path) is None
+    fetched = fetch_checkpoint(dest, tmp_path)
+    assert fetched.path == target and local_files(target) == saved
+    assert not [name for name in os.listdir(target) if name.endswith(".tmp")]  # the dead fetch's temp went
+    assert safestage.verify(target, deep=True).complete
+
+
 def test_a_run_url_fetches_the_newest_complete_checkpoint(bucket: str, root: Path, tmp_path: Path) -> None:
     run = f"s3://{bucket}/run"
     commit(f"{run}/checkpoint-100", root, seed=7)
     saved = commit(f"{run}/checkpoint-200", root, seed=8)
     _object_store.put_bytes(url(f"{run}/checkpoint-300/model.safetensors"), b"torn")  # never committed
-    fetched = safestage.fetch(run, tmp_path)
-    assert fetched == tmp_path / "checkpoint-200" and local_files(fetched) == saved
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-200"]
+    fetched = safestage.fetch(run, tmp_path / "resume")
+    assert fetched == tmp_path / "resume" / "checkpoint-200" and local_files(fetched) == saved
+    assert os.listdir(tmp_path / "resume") == ["checkpoint-200"]
 
 
 def test_nothing_committed_there_is_said_and_nothing_is_written(

@@ -289,13 +289,13 @@ def _failed(
     exc: BaseException, checkpoint: ObjectURL, target: Path, current: Optional[str]
 ) -> FetchError:
     code = getattr(exc, "errno", None) or errno.EIO
-    what = (
-        _WHAT.get(code)
-        if current is not None and isinstance(exc, (FetchError, _object_store.StoreError))
-        else None
-    )
-    detail = getattr(exc, "message", None) or str(exc)
-    where = f"{checkpoint / current}" if current is not None else str(checkpoint)
+    from_store = isinstance(exc, (FetchError, _object_store.StoreError))
+    what = _WHAT.get(code) if current is not None and from_store else None
+    detail = (getattr(exc, "message", None) or str(exc)).rstrip(". ")
+    if not from_store and getattr(exc, "filename", None):  # the local disk's error: its path
+        where = str(exc.filename)  # type: ignore[attr-defined]
+    else:
+        where = f"{checkpoint / current}" if current is not None else str(checkpoint)
     head = f"safestage could not fetch {checkpoint} to {target}: "
     if what is not None:
         body = f"{where} {what} ({detail}; [Errno {code}] {os.strerror(code)})."
