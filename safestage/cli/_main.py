@@ -4,7 +4,7 @@ only module that prints.
 Exit status: 0 all good; 1 the command found a problem (doctor: a plain save fails or loses
 data here, or staging is not possible / fails too; status: a SAFESTAGE_* variable is bad;
 clean, prune: something could not be removed; recover: a kept copy was refused or failed); 2 a
-usage error; 3 `latest`, `recover` or `prune` could not look. `run` becomes its command (exec)
+usage error; 3 `latest`, `recover` or `prune` could not look, `fetch` failed. `run` becomes its command (exec)
 after its checks; called in-process it returns the command's status (128 + N for signal N).
 
 --json output: doctor's keys are documented in _doctor; status prints {version, python,
