@@ -243,6 +243,8 @@ def test_nothing_committed_there_is_said_and_nothing_is_written(
     assert not (tmp_path / "resume").exists()
     with pytest.raises(safestage.ConfigError, match="object-store URL"):
         safestage.fetch(str(tmp_path), tmp_path / "resume")
+    with pytest.raises(safestage.ConfigError, match="local directory"):
+        safestage.fetch(f"s3://{bucket}/run", f"s3://{bucket}/copy")
 
 
 def test_the_cli_prints_the_local_checkpoint_and_says_why_it_refused(

@@ -94,6 +94,11 @@ def fetch_checkpoint(
             f"s3://bucket/run/checkpoint-100), not the path {url!r}: a checkpoint on a "
             "filesystem is read where it is (safestage.latest_complete(path) names it)."
         )
+    if url_of(local_dir) is not None:
+        raise ConfigError(
+            f"safestage.fetch downloads to a local directory, not to {local_dir!r}: to copy "
+            "between buckets, use the store's own copy."
+        )
     found = committed(source, pattern)
     if found is None:
         raise NothingCommitted(
