@@ -207,6 +207,13 @@ def put_bytes(url: ObjectURL, data: bytes, *, create: bool = False) -> Optional[
 
 def read(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[bytes]:
     """The bytes of ``url``, None if there is no such object. ``limit``: refuse a larger one."""
+    found = get(url, limit=limit)
+    return None if found is None else found[0]
+
+
+def get(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[tuple[bytes, ObjectInfo]]:
+    """The bytes of ``url`` and what the store says of it (one GET), None if there is no such
+    object. ``limit``: refuse a larger one (EFBIG)."""
     import obstore
 
     try:
@@ -214,7 +221,7 @@ def read(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[bytes]:
         if limit is not None and answer.meta["size"] > limit:
             raise StoreError(errno.EFBIG, f"{url} is {answer.meta['size']} bytes, more than {limit}: "
                              "not one of safestage's objects", str(url))  # fmt: skip
-        return bytes(answer.bytes())
+        return bytes(answer.bytes()), _info(answer.meta)
     except FileNotFoundError:
         return None
     except StoreError:
@@ -222,6 +229,26 @@ def read(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[bytes]:
     except Exception as exc:
         if not _from_store(exc):
             raise
+        raise _error(exc, url, "read") from exc
+
+
+def chunks(url: ObjectURL, *, etag: Optional[str] = None, chunk: int = PART_BYTES) -> Iterator[bytes]:
+    """The bytes of ``url`` in order, in pieces of about ``chunk`` bytes, from one streamed GET:
+    the client holds one piece at a time, never the object. ``etag``: only the object of that
+    ETag (If-Match); another one there now (overwritten since it was listed) raises a
+    StoreError with ESTALE, and a missing one ENOENT."""
+    import obstore
+
+    try:
+        answer = obstore.get(_store(url), url.key, options={"if_match": etag} if etag else None)
+        for piece in answer.stream(min_chunk_size=chunk):
+            yield bytes(piece)
+    except Exception as exc:
+        if not _from_store(exc):
+            raise
+        if type(exc).__name__ == "PreconditionError":
+            raise StoreError(errno.ESTALE, f"safestage: {url} changed while it was read: it is no longer "
+                             f"the object of ETag {etag} ({_answer(exc)})", str(url)) from exc  # fmt: skip
         raise _error(exc, url, "read") from exc
 
 
