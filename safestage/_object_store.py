@@ -339,6 +339,8 @@ def _from_store(exc: BaseException) -> bool:
 _OBSTORE_BUILTINS = {"FileNotFoundError", "PermissionError", "FileExistsError", "OSError",
                      "ConnectionError", "TimeoutError", "ValueError"}  # fmt: skip
 
+_NO_BUCKET = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist")
+
 _ERRNO_BY_NAME = {
     "NotFoundError": errno.ENOENT,
     "FileNotFoundError": errno.ENOENT,
@@ -376,6 +378,8 @@ def _secret_values(options: Mapping[str, Any]) -> Iterator[str]:
 
 def _error(exc: BaseException, url: ObjectURL, operation: str) -> StoreError:
     code = _ERRNO_BY_NAME.get(type(exc).__name__, errno.EIO)
+    if code == errno.EIO and any(word in str(exc) for word in _NO_BUCKET):
+        code = errno.ENOENT  # obstore reports a missing bucket as a generic error (S3: a 404)
     advice = {
         errno.EACCES: "check the credentials (AWS_ACCESS_KEY_ID / GOOGLE_APPLICATION_CREDENTIALS / "
         "AZURE_STORAGE_ACCOUNT_KEY or storage_options) and the bucket's policy",
