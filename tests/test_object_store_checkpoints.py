@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,12 +17,16 @@ from typing import Any
 import numpy as np
 import pytest
 from _stores import Requests, new_bucket
+from _support import SUITE_SETTINGS, long_tier
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 import safestage
 from safestage import COMMIT_NAME, _object_store
 from safestage import cli as _cli
 from safestage._destination import ObjectURL
+from safestage.checkpoint._verify import matcher
 from safestage.testing._s3 import shared_s3_server
 
 
@@ -152,3 +157,90 @@ def test_the_commands_take_a_url_and_name_it_when_the_store_refuses(bucket: str,
     assert missing.replace("/run", "") in err and "list" in err and "testing" not in err, err  # no secret
     assert _cli.main(["verify", f"{missing}/checkpoint-1"]) == 1
     assert "list" in capsys.readouterr().out
+
+
+FOREIGN = ("checkpoint-1-merged/model.safetensors", "checkpoint-final/model.safetensors", "checkpoint-2",
+           "notes.txt", "checkpoint-0x10/x")  # fmt: skip
+
+
+def test_prune_of_a_run_url_removes_commit_object_first_and_never_a_foreign_key(bucket: str, root: Path) -> None:
+    run = run_of(bucket, root, (1, 2, 3, 4))
+    for key in FOREIGN:
+        _object_store.put_bytes(url(f"{run}/{key}"), b"not a checkpoint of this pattern")
+    _object_store.put_bytes(url(f"{run}/checkpoint-0/model.safetensors"), b"a killed save's leftover")
+    assert safestage.prune(run, keep=2, dry_run=True) == [url(f"{run}/checkpoint-{n}") for n in (0, 1, 2)]
+    with Requests(bucket) as seen:
+        removed = safestage.prune(run, keep=2)
+    assert removed == [url(f"{run}/checkpoint-{n}") for n in (0, 1, 2)]
+    assert sorted(keys(bucket)) == sorted([f"run/{key}" for key in FOREIGN] + [
+        f"run/checkpoint-{n}/{name}" for n in (3, 4) for name in (COMMIT_NAME, "model.safetensors", "trainer_state.json")])
+    # Oldest first, each removal its own LIST of its prefix, then, where there is a commit object,
+    # a delete of it alone before the batched delete of the rest.
+    removal = [(method, target.split("&prefix=")[-1]) for method, target in seen.made
+               if method == "POST" or "prefix=run/checkpoint-" in target]  # fmt: skip
+    assert removal == [("GET", "run/checkpoint-0/"), ("POST", f"/{bucket}?delete"),
+                       ("GET", "run/checkpoint-1/"), ("POST", f"/{bucket}?delete"), ("POST", f"/{bucket}?delete"),
+                       ("GET", "run/checkpoint-2/"), ("POST", f"/{bucket}?delete"), ("POST", f"/{bucket}?delete")]
+
+
+def test_prune_never_removes_the_resume_point_when_newer_steps_are_not_complete(bucket: str, root: Path) -> None:
+    run = run_of(bucket, root, (1, 2, 3))
+    _object_store.delete([url(f"{run}/checkpoint-3/model.safetensors")])  # 3: not complete
+    assert safestage.latest_complete(run) == url(f"{run}/checkpoint-2")
+    assert safestage.prune(run, keep=1) == [url(f"{run}/checkpoint-1")]
+    assert safestage.latest_complete(run) == url(f"{run}/checkpoint-2")  # the resume point stays
+    assert any(key.startswith("run/checkpoint-3/") for key in keys(bucket))  # as new as it: a save in progress
+
+
+def test_keep_on_a_url_prunes_after_each_commit(bucket: str, root: Path) -> None:
+    run = f"s3://{bucket}/run"
+    for step in (1, 2, 3, 4):
+        with safestage.staged_dir(f"{run}/checkpoint-{step}", root, keep=2) as local:
+            (local / "state.json").write_text(str(step))
+    assert sorted({key.split("/")[1] for key in keys(bucket)}) == ["checkpoint-3", "checkpoint-4"]
+    assert safestage.latest_complete(run) == url(f"{run}/checkpoint-4")
+
+
+def test_the_prune_command_takes_a_run_url(bucket: str, root: Path, capsys: Any) -> None:
+    run = run_of(bucket, root, (1, 2))
+    assert _cli.main(["prune", run, "--keep", "1", "--dry-run"]) == 0
+    assert f"would remove  {run}/checkpoint-1" in capsys.readouterr().out
+    assert _cli.main(["prune", run, "--keep", "1"]) == 0
+    assert f"removed       {run}/checkpoint-1" in capsys.readouterr().out
+    assert _cli.main(["prune", f"s3://{bucket}-missing/run", "--keep", "1"]) == 3
+    err = capsys.readouterr().err
+    assert f"s3://{bucket}-missing" in err and "list" in err and "testing" not in err, err
+
+
+def prune_examples() -> int:
+    text = SUITE_SETTINGS.get("SAFESTAGE_STORE_PRUNE_EXAMPLES", "").strip()
+    return int(text) if text else (150 if long_tier() else 12)
+
+
+_NAME = st.one_of(
+    st.text(alphabet="checkpoint-_.e0123456789٣", min_size=1, max_size=16),
+    st.builds("checkpoint-{}{}".format, st.integers(0, 3), st.text(alphabet="-_.xe0123456789", min_size=1, max_size=4)),
+)
+_FOREIGN = st.tuples(_NAME, st.sampled_from(["", "/model.safetensors", f"/{COMMIT_NAME}", "/sub/x.bin"])).filter(
+    lambda item: matcher("checkpoint-*")(item[0]) is None and item[0] not in (".", ".."))
+
+
+@settings(max_examples=prune_examples(), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@given(foreign=st.lists(_FOREIGN, min_size=1, max_size=5, unique_by=lambda item: item[0]), keep=st.integers(1, 2))
+def test_prune_on_a_url_never_touches_a_name_its_pattern_does_not_take(
+    bucket: str, root: Path, foreign: list[tuple[str, str]], keep: int
+) -> None:
+    run = f"s3://{bucket}/run-{uuid.uuid4().hex[:8]}"
+    for step in (1, 2, 3):
+        commit(f"{run}/checkpoint-{step}", root, step, size=4)
+    placed = {}
+    for name, tail in foreign:
+        placed[f"{name}{tail}"] = _object_store.put_bytes(url(f"{run}/{name}{tail}"), f"{name}{tail}".encode())
+    safestage.prune(run, keep=keep)
+    prefix = url(run).prefix
+    left = {info.key[len(prefix):]: info.etag for info in _object_store.listing(url(run))}
+    assert {key: left.get(key) for key in placed} == placed  # every foreign object, as it was
+    assert safestage.latest_complete(run) == url(f"{run}/checkpoint-3")
+    assert {key.split("/")[0] for key in left if key.startswith("checkpoint-") and matcher("checkpoint-*")(key.split("/")[0]) is not None} \
+        == {f"checkpoint-{n}" for n in range(4 - keep, 4)}
