@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -356,12 +357,17 @@ _ERRNO_BY_NAME = {
 }
 
 
+_XML_ERROR = re.compile(r"<\?xml[^>]*\?>\s*<Error>.*?<Code>(?P<code>[^<]*)</Code>\s*<Message>(?P<message>[^<]*)</Message>.*?</Error>", re.S)
+
+
 def _answer(exc: BaseException) -> str:
     """The store's answer, in one line: obstore's message without its debug dump, and with
     every configured option value blanked (a key passed in storage_options is no business of
     a log)."""
     text = str(exc).split("\n\nDebug source:")[0].strip()
     line = " ".join(text.split())
+    # S3's XML error body: its code and message say it; request and host ids say nothing.
+    line = _XML_ERROR.sub(lambda m: f"{m['code']}: {m['message']}", line)
     for options in list(_options.values()):
         for value in _secret_values(options):
             line = line.replace(value, "***")

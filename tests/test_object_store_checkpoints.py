@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +23,7 @@ from _stores import Requests, new_bucket
 from _support import SUITE_SETTINGS, long_tier
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.numpy import save_file
+from safetensors.numpy import load, save_file
 
 import safestage
 from safestage import COMMIT_NAME, _object_store
@@ -244,3 +247,53 @@ def test_prune_on_a_url_never_touches_a_name_its_pattern_does_not_take(
     assert safestage.latest_complete(run) == url(f"{run}/checkpoint-3")
     assert {key.split("/")[0] for key in left if key.startswith("checkpoint-") and matcher("checkpoint-*")(key.split("/")[0]) is not None} \
         == {f"checkpoint-{n}" for n in range(4 - keep, 4)}
+
+
+KEPT_BY_A_FAILED_JOB = """\
+import json, sys
+import numpy as np
+from safetensors.numpy import load, save_file
+import safestage
+run, root = sys.argv[1], sys.argv[2]
+kept = []
+try:
+    with safestage.staged_dir(f"{run}/checkpoint-7", root) as local:
+        save_file({"w": np.arange(16, dtype=np.float32)}, str(local / "model.safetensors"))
+        (local / "trainer_state.json").write_text('{"global_step": 7}')
+except safestage.PublishError as exc:
+    kept.append(exc.staged_path)
+try:
+    with safestage.staged(root):
+        save_file({"w": np.arange(4, dtype=np.float32)}, f"{run}/export/model.safetensors")
+except safestage.PublishError as exc:
+    kept.append(exc.staged_path)
+print(json.dumps(kept))
+"""
+
+
+@pytest.mark.regression("issue 31: `safestage recover` of a copy kept for a URL crashed in _verify.as_path")
+def test_recover_uploads_the_copies_a_failed_job_kept_for_a_url(bucket: str, tmp_path: Path, capsys: Any) -> None:
+    """A job whose bucket did not exist yet keeps its checkpoint and its file; once the bucket
+    exists, recover commits the checkpoint (commit object last) and uploads the file."""
+    gone = f"{bucket}-later"
+    run, root = f"s3://{gone}/run", tmp_path / "stage"
+    root.mkdir()
+    job = subprocess.run([sys.executable, "-c", KEPT_BY_A_FAILED_JOB, run, str(root)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert job.returncode == 0, job.stderr
+    kept = json.loads(job.stdout)
+    assert len(kept) == 2 and all(path is not None and Path(path).exists() for path in kept), kept  # the fault fired
+
+    assert _cli.main(["recover", str(root), "--dry-run"]) == 1  # the bucket is still missing
+    out = capsys.readouterr().out
+    assert f"-> {run}/checkpoint-7: {run}/checkpoint-7 cannot be inspected" in out and "NoSuchBucket" in out, out
+    assert "create the bucket" in out and "testing" not in out, out  # what to do; no secret
+    shared_s3_server().create_bucket(gone)
+    assert _cli.main(["recover", str(root), "--dest", run]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert f"-> {run}/checkpoint-7: committed" in out and f"-> {run}/export/model.safetensors: published" in out, out
+    assert safestage.latest_complete(run) == url(f"{run}/checkpoint-7")
+    assert safestage.verify(f"{run}/checkpoint-7", deep=True).complete
+    assert load(_object_store.read(url(f"{run}/export/model.safetensors")) or b"")["w"].tolist() == [0, 1, 2, 3]
+    assert not any(Path(path).exists() for path in kept)
+    assert _cli.main(["recover", str(root)]) == 0 and "no kept copy" in capsys.readouterr().out
