@@ -42,7 +42,9 @@ log = logging.getLogger("safestage")
 PART_BYTES = 8 << 20
 PARTS_AT_ONCE = 8
 MAX_PARTS = 9_000
-# Objects listed per LIST request (the stores' own maximum page).
+# Objects obstore hands back at a time while listing. Not the size of a LIST request's page: the
+# store pages as it pages (S3 and GCS 1,000 keys a request, Azure 5,000), obstore sends no
+# max-keys, and a listing costs one request per page of the store's.
 PAGE = 1000
 
 
@@ -282,7 +284,8 @@ def head(url: ObjectURL) -> Optional[ObjectInfo]:
 
 def listing(url: ObjectURL, *, pages: Optional[list[int]] = None) -> list[ObjectInfo]:
     """Every object below ``url`` (its prefix), in key order, over as many LIST requests as the
-    store pages them (``PAGE`` at a time). ``pages``: appended the size of each page."""
+    store pages them (S3: 1,000 keys a request). ``pages``: appended the size of each batch
+    obstore hands back (``PAGE`` at most), which is not a request."""
     import obstore
 
     found: list[ObjectInfo] = []
