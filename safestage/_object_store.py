@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import threading
 import time
 import zlib
@@ -48,7 +49,9 @@ MAX_PARTS = 9_000
 RANGE_BYTES = PART_BYTES
 RANGES_AT_ONCE = PARTS_AT_ONCE
 PIECE_BYTES = 1 << 20
-# Objects listed per LIST request (the stores' own maximum page).
+# Objects obstore hands back at a time while listing. Not the size of a LIST request's page: the
+# store pages as it pages (S3 and GCS 1,000 keys a request, Azure 5,000), obstore sends no
+# max-keys, and a listing costs one request per page of the store's.
 PAGE = 1000
 
 
@@ -214,6 +217,13 @@ def put_bytes(url: ObjectURL, data: bytes, *, create: bool = False) -> Optional[
 
 def read(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[bytes]:
     """The bytes of ``url``, None if there is no such object. ``limit``: refuse a larger one."""
+    found = get(url, limit=limit)
+    return None if found is None else found[0]
+
+
+def get(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[tuple[bytes, ObjectInfo]]:
+    """The bytes of ``url`` and what the store says of it (one GET), None if there is no such
+    object. ``limit``: refuse a larger one (EFBIG)."""
     import obstore
 
     try:
@@ -221,7 +231,7 @@ def read(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[bytes]:
         if limit is not None and answer.meta["size"] > limit:
             raise StoreError(errno.EFBIG, f"{url} is {answer.meta['size']} bytes, more than {limit}: "
                              "not one of safestage's objects", str(url))  # fmt: skip
-        return bytes(answer.bytes())
+        return bytes(answer.bytes()), _info(answer.meta)
     except FileNotFoundError:
         return None
     except StoreError:
@@ -229,6 +239,26 @@ def read(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[bytes]:
     except Exception as exc:
         if not _from_store(exc):
             raise
+        raise _error(exc, url, "read") from exc
+
+
+def chunks(url: ObjectURL, *, etag: Optional[str] = None, chunk: int = PART_BYTES) -> Iterator[bytes]:
+    """The bytes of ``url`` in order, in pieces of about ``chunk`` bytes, from one streamed GET:
+    the client holds one piece at a time, never the object. ``etag``: only the object of that
+    ETag (If-Match); another one there now (overwritten since it was listed) raises a
+    StoreError with ESTALE, and a missing one ENOENT."""
+    import obstore
+
+    try:
+        answer = obstore.get(_store(url), url.key, options={"if_match": etag} if etag else None)
+        for piece in answer.stream(min_chunk_size=chunk):
+            yield bytes(piece)
+    except Exception as exc:
+        if not _from_store(exc):
+            raise
+        if type(exc).__name__ == "PreconditionError":
+            raise StoreError(errno.ESTALE, f"safestage: {url} changed while it was read: it is no longer "
+                             f"the object of ETag {etag} ({_answer(exc)})", str(url)) from exc  # fmt: skip
         raise _error(exc, url, "read") from exc
 
 
@@ -370,7 +400,8 @@ def head(url: ObjectURL) -> Optional[ObjectInfo]:
 
 def listing(url: ObjectURL, *, pages: Optional[list[int]] = None) -> list[ObjectInfo]:
     """Every object below ``url`` (its prefix), in key order, over as many LIST requests as the
-    store pages them (``PAGE`` at a time). ``pages``: appended the size of each page."""
+    store pages them (S3: 1,000 keys a request). ``pages``: appended the size of each batch
+    obstore hands back (``PAGE`` at most), which is not a request."""
     import obstore
 
     found: list[ObjectInfo] = []
@@ -428,6 +459,8 @@ def _from_store(exc: BaseException) -> bool:
 _OBSTORE_BUILTINS = {"FileNotFoundError", "PermissionError", "FileExistsError", "OSError",
                      "ConnectionError", "TimeoutError", "ValueError"}  # fmt: skip
 
+_NO_BUCKET = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist")
+
 _ERRNO_BY_NAME = {
     "NotFoundError": errno.ENOENT,
     "FileNotFoundError": errno.ENOENT,
@@ -443,12 +476,17 @@ _ERRNO_BY_NAME = {
 }
 
 
+_XML_ERROR = re.compile(r"<\?xml[^>]*\?>\s*<Error>.*?<Code>(?P<code>[^<]*)</Code>\s*<Message>(?P<message>[^<]*)</Message>.*?</Error>", re.S)
+
+
 def _answer(exc: BaseException) -> str:
     """The store's answer, in one line: obstore's message without its debug dump, and with
     every configured option value blanked (a key passed in storage_options is no business of
     a log)."""
     text = str(exc).split("\n\nDebug source:")[0].strip()
     line = " ".join(text.split())
+    # S3's XML error body: its code and message say it; request and host ids say nothing.
+    line = _XML_ERROR.sub(lambda m: f"{m['code']}: {m['message']}", line)
     for options in list(_options.values()):
         for value in _secret_values(options):
             line = line.replace(value, "***")
@@ -465,6 +503,8 @@ def _secret_values(options: Mapping[str, Any]) -> Iterator[str]:
 
 def _error(exc: BaseException, url: ObjectURL, operation: str) -> StoreError:
     code = _ERRNO_BY_NAME.get(type(exc).__name__, errno.EIO)
+    if code == errno.EIO and any(word in str(exc) for word in _NO_BUCKET):
+        code = errno.ENOENT  # obstore reports a missing bucket as a generic error (S3: a 404)
     advice = {
         errno.EACCES: "check the credentials (AWS_ACCESS_KEY_ID / GOOGLE_APPLICATION_CREDENTIALS / "
         "AZURE_STORAGE_ACCOUNT_KEY or storage_options) and the bucket's policy",

@@ -3,6 +3,8 @@ standard AWS environment only (children inherit it), and reading what landed the
 
 from __future__ import annotations
 
+import re
+import time
 import uuid
 from pathlib import Path
 
@@ -47,3 +49,42 @@ def download(url: str, local: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     return local
+
+
+_REQUEST = re.compile(r'"([A-Z]+) (/[^ ]*) HTTP/')
+
+
+class Requests:
+    """The requests the shared server logged for ``bucket`` from now on (moto's access log, one
+    line a request): ``with Requests(bucket) as seen: ...``, then ``seen.made``."""
+
+    def __init__(self, bucket: str) -> None:
+        self.bucket = bucket
+        self.made: list[tuple[str, str]] = []
+
+    def _lines(self) -> list[str]:
+        return shared_s3_server().log().splitlines()
+
+    def __enter__(self) -> Requests:
+        self._start = len(self._lines())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # The access log is written as each answer goes out: wait until it stops growing.
+        count, deadline = -1, time.monotonic() + 5
+        while time.monotonic() < deadline:
+            lines = self._lines()
+            if len(lines) == count:
+                break
+            count = len(lines)
+            time.sleep(0.2)
+        for line in self._lines()[self._start:]:
+            match = _REQUEST.search(line)
+            if match and match[2].startswith(f"/{self.bucket}"):
+                self.made.append((match[1], match[2]))
+
+    def lists(self) -> list[str]:
+        return [target for method, target in self.made if method == "GET" and "list-type=2" in target]
+
+    def gets(self) -> list[str]:
+        return [target for method, target in self.made if method == "GET" and "list-type=2" not in target]

@@ -38,6 +38,17 @@ nothing about a writer that pauses, and an old one nothing about one that just s
 A removal removes the commit file first (a half-removed checkpoint is never complete, and
 readers skip it), then the tree bottom-up with unlink and rmdir only (no rename: object-store
 mounts have none), oldest first, stopping at the first failure.
+
+A run URL (``s3://bucket/run``) is pruned the same way, from one paginated LIST of the run and
+one GET of each commit object the listing shows (each checked against the listing, as
+``latest_complete`` checks it): a checkpoint is the objects below ``run/<name>/``, so an object
+whose name the pattern does not take, even one sharing a checkpoint's name as a prefix
+(``checkpoint-100-merged/``, a plain object ``checkpoint-100``), is never read nor removed. A
+removal deletes the commit object first, in a request of its own, then every other object below
+the checkpoint's prefix (listed again, so that nothing listed since is left behind) in batched
+deletes. Multipart uploads a killed writer left unfinished are not visible to a LIST, and
+obstore cannot list nor abort them: the bucket's lifecycle rule for incomplete multipart uploads
+removes them (docs/retention.md).
 """
 
 from __future__ import annotations
@@ -51,25 +62,30 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union, overload
 
-from .. import _kept, _save, _work
+from .. import _kept, _object_store, _save, _work
 from .._config import ENV_DIR, PathArg, default_root, env_value
-from .._destination import Destination
+from .._destination import Destination, ObjectURL, url_of
 from .._errors import ConfigError
 from .._paths import real_directory
 from .._publish import fsync_directory
 from ._manifest import COMMIT_NAME
 from ._verify import (
+    Listed,
     SetAside,
     as_path,
     candidate_steps,
     check,
+    check_objects,
     check_pattern,
     describe_error,
     marker_problem,
     read_commit,
+    read_commit_object,
+    run_listing,
     set_aside_by,
+    set_aside_object,
 )
 
 log = logging.getLogger("safestage")
@@ -82,7 +98,7 @@ class Decision:
     ``loud``: worth a WARNING, once per process (kept beyond keep for a reason the caller
     should know, set aside by a resumed run, or could not be read)."""
 
-    path: Path
+    path: Destination
     action: str
     reason: str
     routine: bool = False
@@ -98,11 +114,11 @@ class Retention:
 
     def after_commit(
         self,
-        dest: Path,
+        dest: Destination,
         staging_root: Optional[Path],
         *,
         spare: Optional[Mapping[Path, str]] = None,
-    ) -> list[Path]:
+    ) -> list[Destination]:
         """Prune ``dest.parent`` once ``dest``'s commit file has landed. Never raises (but a
         KeyboardInterrupt): the checkpoint is complete, and a cleanup that could not be done must not
         make a landed commit look failed (nor, for a background commit, fail the next save).
@@ -122,14 +138,23 @@ class Retention:
             return []
 
 
+@overload
+def prune(parent: ObjectURL, keep: int, pattern: str = ..., *, root: Optional[PathArg] = ...,
+          dry_run: bool = ...) -> list[ObjectURL]: ...  # fmt: skip
+@overload
+def prune(parent: os.PathLike[str], keep: int, pattern: str = ..., *, root: Optional[PathArg] = ...,
+          dry_run: bool = ...) -> list[Path]: ...  # fmt: skip
+@overload
+def prune(parent: str, keep: int, pattern: str = ..., *, root: Optional[PathArg] = ...,
+          dry_run: bool = ...) -> list[Destination]: ...  # fmt: skip
 def prune(
-    parent: PathArg,
+    parent: Union[PathArg, ObjectURL],
     keep: int,
     pattern: str = "checkpoint-*",
     *,
     root: Optional[PathArg] = None,
     dry_run: bool = False,
-) -> list[Path]:
+) -> list[Any]:  # the overloads say which: a list is invariant
     """Remove the complete checkpoints in ``parent`` beyond the ``keep`` newest complete ones,
     and the incomplete ones older than the newest complete one that no live process is
     committing; return what was removed (``dry_run``: what would be), oldest first.
@@ -141,7 +166,8 @@ def prune(
     progress), or one a live process of this host is committing (see the module docstring for
     what cannot be seen). Raises ConfigError for a bad ``keep`` or ``pattern``, the OSError when
     ``parent`` cannot be listed or a removal fails (naming the path, the errno, and what was
-    removed before)."""
+    removed before). ``parent`` may be a run URL (``s3://bucket/run``): the same rules, on its
+    objects (the module docstring); what is removed is then ObjectURLs."""
     keep = check_keep(keep, "safestage.prune")
     check_pattern(pattern, "safestage.prune")
     decisions = plan(parent, keep, pattern, roots=known_roots(root))
@@ -168,7 +194,8 @@ def retention_for(dest: PathArg, keep: object) -> Optional[Retention]:
     if keep is None:
         return None
     count = check_keep(keep, "safestage.staged_dir")
-    name = as_path(dest).name
+    url = url_of(dest)
+    name = url.name if url is not None else as_path(dest).name
     stem = name.rstrip("0123456789")
     if not name or stem == name or not stem:
         raise ConfigError(
@@ -206,7 +233,7 @@ def known_roots(root: Optional[PathArg] = None) -> list[Path]:
     return found
 
 
-def _claim_on(path: Path, claims: Mapping[Destination, str]) -> Optional[str]:
+def _claim_on(path: Destination, claims: Mapping[Destination, str]) -> Optional[str]:
     """Why ``path`` (a checkpoint, the kernel's path) is claimed: itself or a file under it."""
     for claimed, why in claims.items():
         if claimed == path or path in claimed.parents:
@@ -229,12 +256,12 @@ class _Candidate:
 
 
 def plan(
-    parent: PathArg,
+    parent: Union[PathArg, ObjectURL],
     keep: int,
     pattern: str,
     *,
     roots: list[Path],
-    protect: Optional[Path] = None,
+    protect: Optional[Destination] = None,
     spare: Optional[Mapping[Path, str]] = None,
 ) -> list[Decision]:
     """What a prune of ``parent`` does with each checkpoint matching ``pattern``, newest first.
@@ -242,12 +269,23 @@ def plan(
     never remove it (the checkpoint ``staged_dir(keep=)`` has just committed). ``spare``:
     never remove these either (kernel paths), each for the reason given (the Trainer's
     ``best_model_checkpoint``, which its ``load_best_model_at_end`` loads)."""
-    base = as_path(parent)
-    steps = candidate_steps(base, pattern)  # a symlink is none: never counted nor removed
-    kernel_base = real_directory(base) or base
+    base: Destination
+    kernel_base: Destination
+    inspect: Callable[[str, int], Optional[_Candidate]]
+    run = url_of(parent)
+    if run is not None:  # one LIST of the run; its objects by checkpoint
+        steps, below = run_listing(run, pattern)
+        base = kernel_base = run
+        inspect = lambda name, step: _inspect_objects(run, name, step, below[name])  # noqa: E731
+    else:
+        assert not isinstance(parent, ObjectURL)
+        directory = as_path(parent)
+        steps = candidate_steps(directory, pattern)  # a symlink is none: never counted nor removed
+        base, kernel_base = directory, real_directory(directory) or directory
+        inspect = lambda name, step: _inspect(directory, name, step)  # noqa: E731
     candidates = []
     for name in sorted(steps, key=lambda n: (steps[n], n), reverse=True):
-        candidate = _inspect(base, name, steps[name])
+        candidate = inspect(name, steps[name])
         if candidate is not None:
             candidates.append(candidate)
     complete = sorted((c for c in candidates if c.complete and c.set_aside is None),
@@ -286,7 +324,7 @@ def plan(
             why_not = "no step number in its name: prune never removes it"
         elif protect is not None and kernel_base / c.name == protect:
             why_not = "just committed"
-        elif spare and kernel_base / c.name in spare:
+        elif spare and isinstance(kernel_base, Path) and kernel_base / c.name in spare:
             why_not = spare[kernel_base / c.name]
         else:
             if claims is None:  # only when something is to go: the roots are read once
@@ -333,6 +371,31 @@ def _inspect(base: Path, name: str, step: int) -> Optional[_Candidate]:
     return candidate
 
 
+def _inspect_objects(run: ObjectURL, name: str, step: int, listed: Listed) -> _Candidate:
+    """``_inspect`` of the checkpoint ``run/name`` whose objects ``listed`` holds: its commit
+    object read (one GET) only if the listing shows one."""
+    checkpoint = run / name
+    candidate = _Candidate(name, step)
+    manifest, problem, modified = read_commit_object(checkpoint, listed)
+    if manifest is None:
+        if problem is not None and problem.kind == "unreadable":
+            candidate.unreadable = problem.message
+        return candidate
+    candidate.committed, candidate.mtime = True, modified
+    result = check_objects(checkpoint, manifest, listed, deep=False)
+    unreadable = [p for p in result.problems if p.kind == "unreadable"]
+    if unreadable:
+        candidate.unreadable = f"{unreadable[0].path}: {unreadable[0].message}"
+    if result.complete:
+        try:
+            candidate.set_aside = set_aside_object(checkpoint, listed)
+        except OSError as exc:
+            candidate.unreadable = marker_problem(exc).message
+            return candidate
+    candidate.complete = result.complete
+    return candidate
+
+
 def _why_kept(c: _Candidate, newest: _Candidate, keep: int, kept_complete: set[str]) -> str:
     if c.set_aside is not None:
         return (f"{c.set_aside.describe()}; retention neither counts nor removes it: delete it if "
@@ -352,11 +415,11 @@ def _why_kept(c: _Candidate, newest: _Candidate, keep: int, kept_complete: set[s
 # -- removal ---------------------------------------------------------------------------------------
 
 
-def apply(decisions: list[Decision], *, dry_run: bool = False) -> list[Path]:
+def apply(decisions: list[Decision], *, dry_run: bool = False) -> list[Destination]:
     """Remove (``dry_run``: only log) what ``decisions`` say, oldest first; return those paths.
     Each is logged at INFO; so is each checkpoint kept for a reason other than being new.
     Stops at the first failure, raising its OSError naming the path and what was removed."""
-    removed: list[Path] = []
+    removed: list[Destination] = []
     for decision in reversed(decisions):
         if decision.action != "remove":
             if decision.loud and _first_time(decision):
@@ -375,7 +438,7 @@ def apply(decisions: list[Decision], *, dry_run: bool = False) -> list[Path]:
     return removed
 
 
-_warned: set[tuple[Path, str]] = set()  # (checkpoint, why kept) already said in this process
+_warned: set[tuple[Destination, str]] = set()  # (checkpoint, why kept) already said in this process
 _warned_lock = threading.Lock()
 
 
@@ -388,10 +451,17 @@ def _first_time(decision: Decision) -> bool:
         return True
 
 
-def remove_checkpoint(path: Path, removed_before: Union[list[Path], tuple[Path, ...]] = ()) -> None:
+Removed = Union[list[Destination], tuple[Destination, ...]]
+
+
+def remove_checkpoint(path: Destination, removed_before: Removed = ()) -> None:
     """Remove the checkpoint directory ``path``: its commit file first (made durable where the
     mount lets directories be fsync'ed), then everything else, bottom-up, with unlink and
-    rmdir only. Never follows a symlink inside it."""
+    rmdir only. Never follows a symlink inside it. A checkpoint URL: its commit object first,
+    then every object below its prefix, in batched deletes."""
+    if isinstance(path, ObjectURL):
+        _remove_objects(path, removed_before)
+        return
     commit_removed = False
     try:
         try:
@@ -405,6 +475,24 @@ def remove_checkpoint(path: Path, removed_before: Union[list[Path], tuple[Path, 
             os.rmdir(path)
     except OSError as exc:
         raise _removal_error(path, exc, commit_removed, removed_before) from exc
+
+
+def _remove_objects(checkpoint: ObjectURL, removed_before: Removed) -> None:
+    commit_removed = False
+    try:
+        objects = _object_store.listing(checkpoint)  # below "run/name/" only: never a sibling
+        commit = checkpoint / COMMIT_NAME
+        if any(info.key == commit.key for info in objects):
+            _object_store.delete([commit])
+            commit_removed = True
+        _object_store.delete([ObjectURL(checkpoint.scheme, checkpoint.bucket, info.key)
+                              for info in objects if info.key != commit.key])  # fmt: skip
+    except OSError as exc:
+        state = ("its commit object was removed first: it is no longer complete (verify and latest_complete "
+                 "skip it)" if commit_removed else "its commit object is untouched")  # fmt: skip
+        before = f"; removed before it: {', '.join(map(str, removed_before))}" if removed_before else ""
+        raise type(exc)(exc.errno, f"safestage.prune could not remove {checkpoint}: {exc}; {state}{before}",
+                        str(checkpoint)) from exc  # fmt: skip
 
 
 def _remove_below(directory: Path) -> None:
@@ -421,12 +509,7 @@ def _remove_below(directory: Path) -> None:
             continue  # gone meanwhile
 
 
-def _removal_error(
-    path: Path,
-    exc: OSError,
-    commit_removed: bool,
-    removed_before: Union[list[Path], tuple[Path, ...]],
-) -> OSError:
+def _removal_error(path: Path, exc: OSError, commit_removed: bool, removed_before: Removed) -> OSError:
     where = os.fsdecode(exc.filename) if exc.filename else str(path)
     if exc.errno == errno.ENOTEMPTY:
         advice = "something is writing into it: find that writer, let it finish, then prune again"

@@ -24,12 +24,20 @@ destination a live process is committing to, a copy whose files are not those it
 lists, and a record it cannot read. Each refusal says why and gives the command that deletes
 the copy (``--discard``). A failed recover keeps the copy, its record rewritten, as a failed
 commit does. Recover never runs on its own: an activation only names the kept copies.
+
+A copy bound for an object-store URL is recovered the same way, through the store family: the
+checkpoint is committed to its prefix (the previous commit object deleted first, every object
+uploaded, the commit object created last), a file uploaded to its key. A missing bucket is
+refused as a missing parent is (create it, then run recover again); a complete commit object
+there written after the copy was kept, or an object at a file's key modified since, is refused
+as a newer save is on a path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import logging
 import os
 import stat
@@ -37,10 +45,11 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
-from .. import _config
+from .. import _config, _object_store
 from .._config import PathArg, Settings
+from .._destination import Destination, ObjectURL, url_of
 from .._errors import PublishError, StagingError
 from .._kept import Found, Record, SaveDir, discard, scan
 from .._paths import real_directory
@@ -84,7 +93,7 @@ class Recovered:
     it (the default staging root is shared by every job of a user on a host)."""
 
     local: Path
-    destination: Optional[Path]
+    destination: Optional[Destination]
     action: Action
     reason: str
     error: Optional[PublishError] = None
@@ -102,12 +111,15 @@ class Recovered:
 
 
 def recover(
-    root: Optional[PathArg] = None, *, dry_run: bool = False, dest: Optional[PathArg] = None
+    root: Optional[PathArg] = None,
+    *,
+    dry_run: bool = False,
+    dest: Optional[Union[PathArg, ObjectURL]] = None,
 ) -> list[Recovered]:
     """Commit (a whole checkpoint) or publish (a single file) every copy kept in the staging
     root ``root`` (default SAFESTAGE_DIR, else $TMPDIR/safestage-<uid>) whose owner is gone,
     to the destination its record names; refuse, touching nothing, what cannot be done right.
-    ``dest``: only the copies whose destination is ``dest`` or lies under it. ``dry_run``:
+    ``dest``: only the copies whose destination is ``dest`` (a path or a URL) or lies under it. ``dry_run``:
     only say what would be done. Returns one Recovered per kept copy (live processes' copies
     as "in-use"), in name order. Raises StagingError if the root cannot be listed (a default
     root that does not exist holds nothing: [])."""
@@ -117,7 +129,12 @@ def recover(
         return []
     if not dry_run:  # checked (local, writable, not planted) and swept as any activation does
         path = StagingRoot(path, is_default=settings.root is None, warn_kept=False).path
-    only = None if dest is None else _kernel_path(dest)
+    only: Optional[Destination] = None
+    if dest is not None:
+        only = url_of(dest)
+        if only is None:
+            assert not isinstance(dest, ObjectURL)
+            only = _kernel_path(dest)
     try:
         entries = scan(path)
     except OSError as exc:
@@ -128,7 +145,7 @@ def recover(
             str(path),
         ) from exc
     chosen = [found for found in entries if _chosen(found, only)]
-    live: dict[Path, Path] = {}  # destination -> the copy a live process commits it from
+    live: dict[Destination, Path] = {}  # destination -> the copy a live process commits it from
     held: list[tuple[Found, SaveDir]] = []
     results: list[Recovered] = []
     try:
@@ -169,7 +186,7 @@ def _kernel_path(path: PathArg) -> Path:
         tail.append(name)
 
 
-def _chosen(found: Found, only: Optional[Path]) -> bool:
+def _chosen(found: Found, only: Optional[Destination]) -> bool:
     """Whether ``--dest`` ``only`` takes ``found``: by the destination its record names, even a
     record this safestage cannot use (a newer version), which is then refused as a plain
     recover refuses it, never passed over as "no kept copy"."""
@@ -193,7 +210,7 @@ def _result(
 
 
 def _recover_one(
-    found: Found, save_dir: SaveDir, settings: Settings, live: dict[Path, Path], dry_run: bool
+    found: Found, save_dir: SaveDir, settings: Settings, live: dict[Destination, Path], dry_run: bool
 ) -> Recovered:
     record = found.record
     local = found.local
@@ -232,11 +249,13 @@ def _recover_one(
     return _recover_file(found, save_dir, local, record, settings, dry_run, refusal)
 
 
-def _destination_problem(dest: Path, record: Record, live: dict[Path, Path]) -> Optional[str]:
+def _destination_problem(dest: Destination, record: Record, live: dict[Destination, Path]) -> Optional[str]:
     if dest in live:
         return (
             f"a live process is committing {dest} from {live[dest]}: let it finish, then look again"
         )
+    if isinstance(dest, ObjectURL):
+        return _object_problem(dest, record)
     if real_directory(str(dest.parent)) is None:
         return (
             f"the parent directory of {dest} does not exist (or is not a directory): mount or "
@@ -271,12 +290,47 @@ def _destination_problem(dest: Path, record: Record, live: dict[Path, Path]) -> 
     return None
 
 
-def _newer_commit(dest: Path, kept_at: float) -> Optional[str]:
-    """When ``dest``'s complete checkpoint was committed, if that is after ``kept_at``."""
-    from ._verify import check, read_commit
+def _object_problem(dest: ObjectURL, record: Record) -> Optional[str]:
+    """``_destination_problem`` of a URL: the store is asked what is there (a LIST of the
+    checkpoint's prefix, or a HEAD of the file's key); a bucket that cannot be reached is
+    refused as a missing parent is."""
+    try:
+        if record.kind == "directory":
+            newer = _newer_commit(dest, record.time)
+            modified = None
+        else:
+            newer = None
+            info = _object_store.head(dest)
+            modified = None if info is None else info.modified
+    except OSError as exc:
+        return (f"{dest} cannot be inspected: {exc} Nothing is uploaded until the store answers: "
+                "create the bucket (or fix the credentials), then run recover again")  # fmt: skip
+    if newer is not None:
+        return (f"{dest} holds a complete checkpoint committed {newer}, after this copy was kept "
+                f"({_when(record.time)}): a newer save of it would be replaced by an older one. "
+                "Delete the copy if the newer one is what you want")  # fmt: skip
+    if modified is not None and modified > record.time:
+        return (f"{dest} was written {_when(modified)}, after this copy was kept ({_when(record.time)}): "
+                "a newer save of it would be replaced by an older one. Delete the copy if the newer "
+                "object is what you want")  # fmt: skip
+    return None
 
-    manifest, _, mtime = read_commit(dest)
-    if manifest is None or not check(dest, manifest, deep=False).complete:
+
+def _newer_commit(dest: Destination, kept_at: float) -> Optional[str]:
+    """When ``dest``'s complete checkpoint was committed, if that is after ``kept_at``. A URL:
+    one LIST of its prefix, one GET of its commit object (the store's OSError raised)."""
+    from ._verify import check, check_objects, listed_below, read_commit, read_commit_object
+
+    if isinstance(dest, ObjectURL):
+        listed = listed_below(dest)
+        manifest, problem, mtime = read_commit_object(dest, listed)
+        if problem is not None and problem.kind == "unreadable":
+            raise PublishError(errno.EIO, problem.message, str(dest))
+        complete = manifest is not None and check_objects(dest, manifest, listed, deep=False).complete
+    else:
+        manifest, _, mtime = read_commit(dest)
+        complete = manifest is not None and check(dest, manifest, deep=False).complete
+    if manifest is None or not complete:
         return None  # nothing complete to lose: the commit replaces what is there
     committed = mtime
     with contextlib.suppress(ValueError):
@@ -290,7 +344,7 @@ def _when(timestamp: float) -> str:
     )
 
 
-def _landed_already(dest: Path, local: Path, record: Record) -> bool:
+def _landed_already(dest: Destination, local: Path, record: Record) -> bool:
     """Whether ``dest`` is complete, its commit file lists every file the record names, and
     every one of them still in ``local`` with the same size and CRC-32 (read here; a publish
     by rename moved the others): then the copy is redundant."""
@@ -333,7 +387,8 @@ def _recover_directory(
         return refusal(f"its copy {local} is missing or not a directory")
     try:
         tree = walk(local, dest)
-        check_destination(dest, tree)
+        if isinstance(dest, Path):  # a bucket holds no directory, symlink or FIFO in the way
+            check_destination(dest, tree)
     except PublishError as exc:
         return refusal(str(exc).split(" Nothing was published")[0].rstrip("."))
     except OSError as exc:

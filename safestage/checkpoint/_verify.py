@@ -9,6 +9,15 @@ Reads only what is needed, so that resuming from a parent holding a thousand che
 a FUSE mount stays fast: ``latest_complete`` lists the parent once, orders the candidates by
 the step number in their names, and reads commit files newest first, stat()ing files only
 until the first complete checkpoint.
+
+An object-store URL (``s3://bucket/run/checkpoint-100``; ``_destination.url_of``) is read the
+same way with what a bucket offers: the checkpoint (or the run) is one paginated LIST of its
+prefix, and each commit object read is one GET, checked against that listing: every object it
+lists must be listed with its size and its ETag (a late overwrite by a stale writer changes the
+ETag: the checkpoint is then not complete, and ``latest_complete`` falls back to the next newest
+one). ``latest_complete`` of a run costs one LIST per 1,000 objects plus one GET of the newest
+commit object when that one is complete; ``deep`` streams each object back (one GET each,
+If-Match its ETag) for its CRC-32.
 """
 
 from __future__ import annotations
@@ -25,10 +34,12 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union, overload
 
+from .. import _object_store
 from .._config import PathArg
-from .._errors import ConfigError
+from .._destination import Destination, ObjectURL, url_of
+from .._errors import ConfigError, SafestageError
 from .._publish import CHUNK_BYTES
 from ._manifest import (
     COMMIT_NAME,
@@ -63,7 +74,8 @@ class Problem:
     """One reason a checkpoint is not complete. ``path`` is relative to the checkpoint ("" for
     the checkpoint itself); ``kind`` is one of not-a-directory, no-commit, bad-commit,
     unsafe-path, missing, not-a-file, unreadable (EACCES, EIO, or a newer format version),
-    size, digest, safetensors, empty (a commit file listing no file)."""
+    size, digest, safetensors, empty (a commit file listing no file), changed (an object
+    whose ETag is not the one its commit object recorded: overwritten after the commit)."""
 
     path: str
     kind: str
@@ -74,7 +86,7 @@ class Problem:
 class VerifyResult:
     """What ``verify`` found. ``complete`` is the answer; ``problems`` say why not."""
 
-    path: Path
+    path: Destination
     deep: bool
     manifest: Optional[Manifest] = None
     problems: list[Problem] = field(default_factory=list)
@@ -109,11 +121,16 @@ class VerifyResult:
 
 
 def verify(
-    path: PathArg, *, deep: bool = False, progress: Optional[Progress] = None
+    path: Union[PathArg, ObjectURL], *, deep: bool = False, progress: Optional[Progress] = None
 ) -> VerifyResult:
-    """Check the checkpoint directory ``path`` against its commit file; never raises for
-    what it finds (missing files, a torn commit file, a missing directory: all problems).
-    ``progress(bytes_read, total_bytes)`` is called as a deep verify reads."""
+    """Check the checkpoint directory ``path`` (or object-store URL) against its commit file;
+    never raises for what it finds (missing files, a torn commit file, a missing directory, a
+    store that refuses or fails a request: all problems). ``progress(bytes_read,
+    total_bytes)`` is called as a deep verify reads."""
+    url = url_of(path)
+    if url is not None:
+        return _verify_url(url, deep=deep, progress=progress)
+    assert not isinstance(path, ObjectURL)
     directory = as_path(path)
     manifest, problem, _ = read_commit(directory)
     if manifest is None:
@@ -130,9 +147,21 @@ def verify(
     return result
 
 
+@overload
 def latest_complete(
-    parent: PathArg, pattern: str = "checkpoint-*", *, deep: bool = False
-) -> Optional[Path]:
+    parent: ObjectURL, pattern: str = ..., *, deep: bool = ...
+) -> Optional[ObjectURL]: ...
+@overload
+def latest_complete(
+    parent: os.PathLike[str], pattern: str = ..., *, deep: bool = ...
+) -> Optional[Path]: ...
+@overload
+def latest_complete(
+    parent: str, pattern: str = ..., *, deep: bool = ...
+) -> Optional[Destination]: ...
+def latest_complete(
+    parent: Union[PathArg, ObjectURL], pattern: str = "checkpoint-*", *, deep: bool = False
+) -> Optional[Destination]:
     """The newest complete checkpoint directory in ``parent`` whose name matches ``pattern``:
     the highest step number, then the latest commit (the commit file's mtime). None if no
     directory there is complete. ``pattern`` is an fnmatch pattern (case-sensitive) whose last
@@ -146,7 +175,13 @@ def latest_complete(
     safestage) is logged as a WARNING naming it. A ``parent`` that cannot be listed (missing,
     EACCES, EIO from a FUSE readdir) raises the OSError: a mistyped, unmounted or unreadable
     run directory must not look like a run with no checkpoint yet; a ``pattern`` with a directory
-    part (or empty) raises ConfigError, as for ``prune``: it would take no name."""
+    part (or empty) raises ConfigError, as for ``prune``: it would take no name.
+
+    ``parent`` may be a run URL (``s3://bucket/run``): the answer is then an ObjectURL, from one
+    paginated LIST of the run and one GET of the newest commit object, checked against the
+    listing (the module docstring). A store that cannot be listed (a missing bucket, refused
+    credentials) raises its StoreError (an OSError naming the URL, the request and the store's
+    answer); a run prefix holding no object is a run with no checkpoint yet (None)."""
     check_pattern(pattern, "safestage.latest_complete")
     found, skipped = find_latest(parent, pattern, deep=deep)
     for path, why in skipped:
@@ -202,13 +237,17 @@ def _is_symlink(entry: os.DirEntry[str]) -> bool:
 
 
 def find_latest(
-    parent: PathArg, pattern: str = "checkpoint-*", *, deep: bool = False
-) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+    parent: Union[PathArg, ObjectURL], pattern: str = "checkpoint-*", *, deep: bool = False
+) -> tuple[Optional[Destination], list[tuple[Destination, str]]]:
     """``latest_complete`` and the newer candidates it skipped as unreadable, with why."""
+    run = url_of(parent)
+    if run is not None:
+        return _find_latest_url(run, pattern, deep=deep)
+    assert not isinstance(parent, ObjectURL)
     base = as_path(parent)
     steps = candidate_steps(base, pattern)
     names = sorted(steps, key=lambda name: steps[name], reverse=True)
-    skipped: list[tuple[Path, str]] = []
+    skipped: list[tuple[Destination, str]] = []
     for _, group in itertools.groupby(names, key=lambda name: steps[name]):
         committed = []
         for name in group:
@@ -536,15 +575,21 @@ def _deep_problems(
 def safetensors_problem(fd: int, size: int) -> Optional[str]:
     """Why the safetensors file open at ``fd`` (``size`` bytes) is not one, or None: its
     header must parse and its tensors must cover the data that follows exactly."""
+    return header_problem(lambda count, offset: _pread_exactly(fd, count, offset), size)
+
+
+def header_problem(pread: Callable[[int, int], bytes], size: int) -> Optional[str]:
+    """``safetensors_problem`` of a file (or object) of ``size`` bytes read by ``pread(count,
+    offset)`` (which returns exactly ``count`` bytes or raises OSError)."""
     if size < 8:
         return f"{size} bytes: shorter than the 8-byte header length"
-    (length,) = struct.unpack("<Q", _pread_exactly(fd, 8, 0))
+    (length,) = struct.unpack("<Q", pread(8, 0))
     if length > size - 8:
         return f"the header announces {length} bytes, the file has {size - 8} after the length"
     if length > _MAX_HEADER:
         return f"a {length}-byte header (safetensors refuses more than {_MAX_HEADER})"
     try:
-        header = json.loads(_pread_exactly(fd, length, 8))
+        header = json.loads(pread(length, 8))
     except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested headers
         return f"the header is not valid JSON: {exc}"
     if not isinstance(header, dict):
@@ -666,9 +711,20 @@ def set_aside_by(directory: Path) -> Optional[SetAside]:
         ) from exc
     try:
         with os.fdopen(fd, "rb") as handle:
-            document = json.loads(handle.read(1 << 16))
-    except (OSError, ValueError, RecursionError):
+            data = handle.read(_MARKER_BYTES)
+    except OSError:
         return SetAside("?", "?")  # a marker that is there but cannot be read still marks it
+    return _parse_marker(data)
+
+
+_MARKER_BYTES = 1 << 16
+
+
+def _parse_marker(data: bytes) -> SetAside:
+    try:
+        document = json.loads(data)
+    except (ValueError, RecursionError):
+        return SetAside("?", "?")
     if not isinstance(document, dict):
         return SetAside("?", "?")
     return SetAside(str(document.get("by", "?")), str(document.get("at", "?")))
@@ -676,4 +732,243 @@ def set_aside_by(directory: Path) -> Optional[SetAside]:
 
 def marker_problem(exc: OSError) -> Problem:
     """What ``verify`` and the readers say of a checkpoint ``set_aside_by`` could not tell."""
-    return Problem(SET_ASIDE_NAME, "unreadable", exc.strerror or str(exc))
+    said = str(exc) if isinstance(exc, SafestageError) else exc.strerror  # a StoreError says it all
+    return Problem(SET_ASIDE_NAME, "unreadable", said or str(exc))
+
+
+# -- the object-store family: one LIST of a prefix, one GET per commit object -------------------
+
+# What one LIST of a checkpoint's prefix found: {path relative to the checkpoint: the object}.
+Listed = dict[str, _object_store.ObjectInfo]
+
+
+def listed_below(url: ObjectURL) -> Listed:
+    """Every object below ``url`` by its path relative to it (one paginated LIST). Raises the
+    StoreError of a LIST the store refuses or fails."""
+    start = len(url.prefix)
+    return {info.key[start:]: info for info in _object_store.listing(url)}
+
+
+def run_listing(run: ObjectURL, pattern: str) -> tuple[dict[str, int], dict[str, Listed]]:
+    """``candidate_steps`` of a run URL: ({name: step}, {name: its objects}) of the checkpoint
+    prefixes below ``run`` whose names ``pattern`` takes, from one paginated LIST. An object
+    directly in the run (no ``/`` after its name) is no checkpoint, as a file is none on a path;
+    a name the pattern does not take is not read and not returned."""
+    takes = matcher(pattern)
+    steps: dict[str, int] = {}
+    below: dict[str, Listed] = {}
+    for path, info in listed_below(run).items():
+        name, slash, rest = path.partition("/")
+        if not slash or not rest:
+            continue
+        if name not in steps:
+            step = takes(name)
+            if step is None:
+                continue
+            steps[name], below[name] = step, {}
+        below[name][rest] = info
+    return steps, below
+
+
+def read_commit_object(
+    checkpoint: ObjectURL, listed: Listed
+) -> tuple[Optional[Manifest], Optional[Problem], float]:
+    """``read_commit`` of a checkpoint URL whose objects ``listed`` holds: its commit object
+    is read (one GET) only if the listing has one. (manifest, None, the commit object's
+    modification time), or (None, the problem, 0.0)."""
+    info = listed.get(COMMIT_NAME)
+    if info is None:
+        return None, Problem("", "no-commit", f"no commit object {COMMIT_NAME} (never committed, "
+                                              "or a commit was interrupted)"), 0.0  # fmt: skip
+    if info.size > MAX_COMMIT_BYTES:
+        return None, Problem(COMMIT_NAME, "bad-commit", f"the commit object is {info.size} bytes: "
+                                                        "not one of safestage's"), 0.0  # fmt: skip
+    try:
+        found = _object_store.get(checkpoint / COMMIT_NAME, limit=MAX_COMMIT_BYTES)
+    except OSError as exc:
+        kind = "bad-commit" if exc.errno == errno.EFBIG else "unreadable"
+        return None, Problem(COMMIT_NAME, kind, f"cannot read the commit object: {exc}"), 0.0
+    if found is None:
+        return None, Problem("", "no-commit", f"the commit object {COMMIT_NAME} was removed since "
+                                              "the listing (a re-commit or a prune under way)"), 0.0  # fmt: skip
+    try:
+        manifest = parse(found[0])
+    except NewerFormatError as exc:
+        return None, Problem(COMMIT_NAME, "unreadable", f"cannot read the commit object: {exc}"), 0.0
+    except ManifestError as exc:
+        return None, Problem(COMMIT_NAME, "bad-commit", f"the commit object cannot be trusted: {exc}"), 0.0
+    return manifest, None, info.modified
+
+
+def check_objects(
+    checkpoint: ObjectURL,
+    manifest: Manifest,
+    listed: Listed,
+    *,
+    deep: bool,
+    progress: Optional[Progress] = None,
+) -> VerifyResult:
+    """``check`` of a checkpoint URL: each object of ``manifest`` against the listing (there,
+    of the recorded size and ETag); deep, its bytes streamed back for their CRC-32 (and a
+    ``.safetensors`` header), each GET If-Match the recorded ETag."""
+    result = VerifyResult(checkpoint, deep, manifest)
+    report = None
+    if deep and progress is not None:
+        total = manifest.total_bytes
+
+        def report(count: int) -> None:
+            result.bytes_read += count
+            progress(result.bytes_read, total)
+
+    if not manifest.files:
+        why = "the commit object lists no file: nothing was saved into this checkpoint; delete it, or save it again"
+        result.problems.append(Problem("", "empty", why))
+    for entry in manifest.files:
+        result.files_checked += 1
+        info = listed.get(entry.path)
+        if info is None:
+            result.problems.append(Problem(entry.path, "missing", "listed in the commit object, not in the store"))
+        elif info.size != entry.size:
+            result.problems.append(Problem(entry.path, "size", f"{info.size} bytes, the commit object says {entry.size}"))
+        elif entry.etag is not None and info.etag is not None and info.etag != entry.etag:
+            result.problems.append(Problem(entry.path, "changed", f"ETag {info.etag}, the commit object says "
+                                           f"{entry.etag}: overwritten after the commit (a second writer of "
+                                           "this step?)"))  # fmt: skip
+        elif deep:
+            result.problems += _deep_object_problems(checkpoint / entry.path, entry.path, entry.size,
+                                                     entry.digest, entry.etag or info.etag, result, report)  # fmt: skip
+    if deep:
+        named = {entry.path for entry in manifest.files} | {COMMIT_NAME, SET_ASIDE_NAME}
+        result.extra = sorted(path for path in listed if path not in named and not path.endswith("/"))
+    return result
+
+
+def _deep_object_problems(
+    url: ObjectURL,
+    path: str,
+    size: int,
+    digest: str,
+    etag: Optional[str],
+    result: VerifyResult,
+    report: Optional[Callable[[int], None]],
+) -> list[Problem]:
+    crc = Crc32()
+    header = _Header() if path.endswith(".safetensors") else None
+    count = 0
+    try:
+        for piece in _object_store.chunks(url, etag=etag, chunk=CHUNK_BYTES):
+            crc.update(memoryview(piece))
+            if header is not None:
+                header.feed(piece)
+            count += len(piece)
+            if report is None:
+                result.bytes_read += len(piece)
+            else:
+                report(len(piece))
+    except OSError as exc:
+        kind = {errno.ESTALE: "changed", errno.ENOENT: "missing"}.get(exc.errno or 0, "unreadable")
+        return [Problem(path, kind, str(exc))]
+    if count != size:
+        return [Problem(path, "size", f"{count} bytes read back, the commit object says {size}")]
+    problems = []
+    if header is not None:
+        why = header_problem(header.read, size)
+        if why is not None:
+            problems.append(Problem(path, "safetensors", why))
+    if crc.hexdigest() != digest:
+        problems.append(Problem(path, "digest", f"CRC-32 {crc.hexdigest()}, the commit object says {digest} "
+                                                "(other content of the same size)"))  # fmt: skip
+    return problems
+
+
+class _Header:
+    """The first bytes of a streamed ``.safetensors`` object: its length and header, at most
+    ``_MAX_HEADER`` + 8 bytes, so that the header is checked from the one GET of the digest."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.want = 8
+
+    def feed(self, piece: bytes) -> None:
+        while piece and len(self.data) < self.want:
+            take = self.want - len(self.data)
+            self.data += piece[:take]
+            piece = piece[take:]
+            if self.want == 8 and len(self.data) == 8:
+                (length,) = struct.unpack("<Q", self.data)
+                if length <= _MAX_HEADER:  # else header_problem refuses it from the length alone
+                    self.want = 8 + length
+
+    def read(self, count: int, offset: int) -> bytes:
+        if offset + count > len(self.data):
+            raise OSError(errno.EIO, "the object ended early while reading its header")
+        return bytes(self.data[offset : offset + count])
+
+
+def set_aside_object(checkpoint: ObjectURL, listed: Listed) -> Optional[SetAside]:
+    """``set_aside_by`` of a checkpoint URL: its marker object, read only if the listing has one.
+    Raises the OSError of a GET the store refuses or fails."""
+    if SET_ASIDE_NAME not in listed:
+        return None
+    found = _object_store.get(checkpoint / SET_ASIDE_NAME, limit=_MARKER_BYTES)
+    return None if found is None else _parse_marker(found[0])
+
+
+def _verify_url(url: ObjectURL, *, deep: bool, progress: Optional[Progress]) -> VerifyResult:
+    try:
+        listed = listed_below(url)
+    except OSError as exc:
+        return VerifyResult(url, deep, problems=[Problem("", "unreadable", str(exc))])
+    if not listed:
+        return VerifyResult(url, deep, problems=[Problem("", "not-a-directory", f"no object below {url} "
+                                                         "(nothing was committed there, or the URL is mistyped)")])  # fmt: skip
+    manifest, problem, _ = read_commit_object(url, listed)
+    if manifest is None:
+        assert problem is not None
+        return VerifyResult(url, deep, problems=[problem])
+    result = check_objects(url, manifest, listed, deep=deep, progress=progress)
+    try:
+        result.set_aside = set_aside_object(url, listed)
+    except OSError as exc:
+        result.problems.append(marker_problem(exc))
+    return result
+
+
+def _find_latest_url(
+    run: ObjectURL, pattern: str, *, deep: bool
+) -> tuple[Optional[Destination], list[tuple[Destination, str]]]:
+    """``find_latest`` of a run URL: one paginated LIST, then the commit objects the listing
+    shows, newest first (step, then the commit object's time, then the name), one GET each,
+    until one is complete against the listing."""
+    steps, below = run_listing(run, pattern)
+    committed = [name for name in steps if COMMIT_NAME in below[name]]
+    committed.sort(key=lambda name: (steps[name], below[name][COMMIT_NAME].modified, name), reverse=True)
+    skipped: list[tuple[Destination, str]] = []
+    for name in committed:
+        checkpoint = run / name
+        manifest, problem, _ = read_commit_object(checkpoint, below[name])
+        if manifest is None:
+            if problem is not None and problem.kind == "unreadable":
+                skipped.append((checkpoint, problem.message))
+            continue
+        result = check_objects(checkpoint, manifest, below[name], deep=deep)
+        try:
+            aside = set_aside_object(checkpoint, below[name]) if result.complete else None
+        except OSError as exc:
+            aside = None
+            result.problems.append(marker_problem(exc))
+        if aside is not None:
+            log.info("safestage.latest_complete: passed over %s: %s", checkpoint, aside.describe())
+        elif result.complete:
+            return checkpoint, skipped
+        else:
+            # A committed step that no longer matches its commit object: a late overwrite by a
+            # stale writer (WARNING), or objects removed under it (a prune under way).
+            changed = any(p.kind == "changed" for p in result.problems)
+            log.log(logging.WARNING if changed else logging.INFO,
+                    "safestage.latest_complete: passed over %s, committed but not complete: %s", checkpoint,
+                    "; ".join(f"{p.path or '.'}: {p.kind}: {p.message}" for p in result.problems[:3]))  # fmt: skip
+        unreadable = [p for p in result.problems if p.kind == "unreadable"]
+        if unreadable:
+            skipped.append((checkpoint, f"{unreadable[0].path}: {unreadable[0].message}"))
+    return None, skipped

@@ -53,6 +53,7 @@ from .._errors import ConfigError
 
 if TYPE_CHECKING:
     from .._config import Settings
+    from .._destination import Destination
     from ._doctor import Report, SaveReport, StagingReport
 
 # `safestage latest`: 0 found (printed), 1 no complete checkpoint, 2 usage, 3 could not look.
@@ -119,6 +120,18 @@ def _pattern_argument(value: str) -> str:
         return check_pattern(value, "--pattern")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _destination_argument(value: str) -> Destination:
+    """A path, or an object-store URL (s3://bucket/run): never Path("s3://b/run"), which is the
+    relative path s3:/b/run."""
+    from .._destination import UnsupportedDestination, url_of
+
+    try:
+        url = url_of(value)
+    except UnsupportedDestination as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return Path(value) if url is None else url
 
 
 def _seconds_argument(value: str) -> float:
@@ -219,8 +232,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     recover.add_argument("root", metavar="ROOT", nargs="?", type=_root_argument, default=None,
                          help="the staging root (default: SAFESTAGE_DIR, else $TMPDIR/safestage-<uid>)")  # fmt: skip
-    recover.add_argument("--dest", metavar="PATH", type=Path,
-                         help="only the copies whose destination is PATH or lies under it")  # fmt: skip
+    recover.add_argument("--dest", metavar="PATH", type=_destination_argument,
+                         help="only the copies whose destination is PATH (or URL) or lies under it")  # fmt: skip
     recover.add_argument("--discard", metavar="COPY", type=Path,
                          help="delete the kept copy COPY (a path recover printed), once its owner is gone")  # fmt: skip
     recover.add_argument("--dry-run", action="store_true", help="only say what would be done")
@@ -235,7 +248,8 @@ def _parser() -> argparse.ArgumentParser:
         "there, with its size; --deep also reads every file for its CRC-32 and checks each "
         ".safetensors header. Exit 0 complete, 1 not.",
     )
-    verify.add_argument("path", metavar="PATH", type=Path, help="a checkpoint directory")
+    verify.add_argument("path", metavar="PATH", type=_destination_argument,
+                        help="a checkpoint directory, or its URL (s3://bucket/run/checkpoint-100)")  # fmt: skip
     verify.add_argument("--deep", action="store_true", help="read every file: digests, safetensors headers")
     verify.add_argument("--json", action="store_true", help="print one JSON object")
     verify.set_defaults(handler=_verify)
@@ -251,7 +265,8 @@ def _parser() -> argparse.ArgumentParser:
         "read). A newer candidate skipped because it could not be read is named in a WARNING "
         "line on stderr.",
     )
-    latest.add_argument("parent", metavar="PARENT", type=Path, help="the directory holding the checkpoints")
+    latest.add_argument("parent", metavar="PARENT", type=_destination_argument,
+                        help="the directory holding the checkpoints, or the run's URL (s3://bucket/run)")  # fmt: skip
     latest.add_argument("--pattern", metavar="P", default="checkpoint-*", type=_pattern_argument,
                         help="fnmatch pattern of checkpoint names whose last * is the step number "
                         "(default: checkpoint-*, which takes checkpoint-500, not checkpoint-500-merged)")  # fmt: skip
@@ -272,7 +287,8 @@ def _parser() -> argparse.ArgumentParser:
         "would be, --dry-run) and each kept for a reason. Exit 0 done; 1 a removal failed; 2 "
         "usage; 3 could not look (PARENT cannot be listed).",
     )
-    prune.add_argument("parent", metavar="PARENT", type=Path, help="the directory holding the checkpoints")
+    prune.add_argument("parent", metavar="PARENT", type=_destination_argument,
+                       help="the directory holding the checkpoints, or the run's URL (s3://bucket/run)")  # fmt: skip
     prune.add_argument("--keep", metavar="N", type=_keep_argument, required=True,
                        help="how many complete checkpoints to keep (>= 1)")  # fmt: skip
     prune.add_argument("--pattern", metavar="P", default="checkpoint-*", type=_pattern_argument,
@@ -433,7 +449,9 @@ def _print_line(text: str) -> None:
     print(text.encode(encoding, "backslashreplace").decode(encoding, "replace"))
 
 
-def _existing_directory(command: str, path: Path) -> Optional[int]:
+def _existing_directory(command: str, path: Destination) -> Optional[int]:
+    if not isinstance(path, Path):
+        return None  # a URL: the store says what is there (a bucket has no directories)
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -849,7 +867,7 @@ def _latest(args: argparse.Namespace) -> int:
     except OSError as exc:
         # Not 1 ("no complete checkpoint"): a resume script must not start from scratch
         # because a FUSE readdir failed or permissions are wrong.
-        print(f"safestage latest: could not look: {exc.strerror}", file=sys.stderr)
+        print(f"safestage latest: could not look: {_said(exc)}", file=sys.stderr)
         return LATEST_COULD_NOT_LOOK
     for path, why in skipped:
         print(f"safestage latest: WARNING: skipped {path}, which could not be read ({why})", file=sys.stderr)
@@ -894,18 +912,34 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _what_else(parent: Path, pattern: str) -> str:
+def _said(exc: OSError) -> str:
+    """What an OSError says: safestage's own (a StoreError names the URL, the request and the
+    store's answer) whole; another's strerror, which its raiser made the message."""
+    from .._errors import SafestageError
+
+    return str(exc) if isinstance(exc, SafestageError) else str(exc.strerror)
+
+
+def _what_else(parent: Destination, pattern: str) -> str:
     """What a `latest` that found nothing did see: the committed directories whose names the
     pattern does not take, and a pattern that would (the DCP docs name them step-*)."""
+    from .. import _object_store
+    from ..checkpoint._manifest import COMMIT_NAME
     from ..checkpoint._timeline import series
     from ..checkpoint._verify import matcher, read_commit
 
     takes = matcher(pattern)
     try:
-        names = sorted(os.listdir(parent))
+        if isinstance(parent, Path):
+            names = sorted(os.listdir(parent))
+            others = [name for name in names if takes(name) is None and read_commit(parent / name)[0] is not None]
+        else:  # a run URL: the prefixes holding a commit object (one more LIST, after a failure)
+            start = len(parent.prefix)
+            committed = {name for name, _, rest in (info.key[start:].partition("/") for info in
+                         _object_store.listing(parent)) if rest == COMMIT_NAME}  # fmt: skip
+            others = sorted(name for name in committed if takes(name) is None)
     except OSError:
         return ""
-    others = [name for name in names if takes(name) is None and read_commit(parent / name)[0] is not None]
     if not others:
         return ""
     shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
@@ -927,7 +961,7 @@ def _prune(args: argparse.Namespace) -> int:
     try:
         decisions = plan(args.parent, args.keep, args.pattern, roots=known_roots(args.dir))
     except OSError as exc:
-        print(f"safestage prune: could not look: {exc.strerror}", file=sys.stderr)
+        print(f"safestage prune: could not look: {_said(exc)}", file=sys.stderr)
         return LATEST_COULD_NOT_LOOK
     for decision in decisions:
         if decision.action == "keep" and not decision.routine:
@@ -942,7 +976,7 @@ def _prune(args: argparse.Namespace) -> int:
             break
         _print_line(f"{'would remove' if args.dry_run else 'removed':<12}  {decision.path}  ({decision.reason})")
     if failed is not None:
-        print(f"safestage prune: {failed.strerror}", file=sys.stderr)
+        print(f"safestage prune: {_said(failed)}", file=sys.stderr)
         return 1
     done = len(removing)
     _print_line(
