@@ -38,8 +38,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -158,6 +157,11 @@ class ObjectStoreServer(abc.ABC):
         """Every key in ``bucket``, sorted, as the server holds it."""
 
     @abc.abstractmethod
+    def uploads_in_flight(self, bucket: str) -> list[str]:
+        """The keys of the uploads in ``bucket`` begun in parts and neither finished nor
+        aborted (S3 multipart uploads, Azure uncommitted blocks), sorted."""
+
+    @abc.abstractmethod
     def delete_bucket(self, bucket: str) -> None:
         """Delete every object of ``bucket``, then the bucket."""
 
@@ -200,12 +204,22 @@ class SupervisedServer(ObjectStoreServer):
     def _command(self, ctl: Path) -> list[str]:
         """The command that runs the server, its files under ``ctl``."""
 
+    def _removed_on_exit(self) -> tuple[Path, ...]:
+        """Files the server leaves outside its directory, for the supervisor to remove if the
+        test process dies (known once ``_command`` ran)."""
+        return ()
+
     @abc.abstractmethod
     def _probe(self) -> Optional[str]:
         """The endpoint once the server answers requests, else None."""
 
     def _ready(self) -> None:
         """Anything to do once the server answers (a front to start)."""
+
+    def _exited(self, code: int, text: str) -> Optional[BaseException]:
+        """The error to raise for an exit with status ``code`` before it answered (its output
+        ``text``), where the server says more than its status (None: a plain RuntimeError)."""
+        return None
 
     @property
     def pid(self) -> Optional[int]:
@@ -223,7 +237,8 @@ class SupervisedServer(ObjectStoreServer):
             self._ctl = Path(tempfile.mkdtemp(prefix=f"safestage-{self.kind}-"))
             try:
                 command = self._command(self._ctl)
-                self._proc = spawn_supervised(command, log_path=self._ctl / "server.log", remove=[self._ctl], cwd=self._ctl)
+                remove = [self._ctl, *self._removed_on_exit()]
+                self._proc = spawn_supervised(command, log_path=self._ctl / "server.log", remove=remove, cwd=self._ctl)
                 self.endpoint = self._wait_ready()
                 self._ready()
                 break
@@ -237,7 +252,7 @@ class SupervisedServer(ObjectStoreServer):
                 raise
         self.started_in = time.monotonic() - began
         log.debug("%s at %s, pid %s, started in %.2f s", self.name, self.endpoint, self.pid, self.started_in)
-        return self  # type: ignore[return-value]
+        return self
 
     def _wait_ready(self) -> str:
         assert self._proc is not None
@@ -251,6 +266,9 @@ class SupervisedServer(ObjectStoreServer):
                 text = self.log()
                 if "address already in use" in text.lower() or "EADDRINUSE" in text:
                     raise _PortTaken()
+                said = self._exited(code, text)
+                if said is not None:
+                    raise said
                 raise RuntimeError(f"{self.name} exited with status {code} before it answered:\n{text[-4000:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} did not answer within {self.timeout:.0f} s:\n{self.log()[-4000:]}")
@@ -284,56 +302,28 @@ class SupervisedServer(ObjectStoreServer):
 # -- one server per kind per process ----------------------------------------------------------
 
 
-def object_store_server(kind: str) -> ObjectStoreServer:
-    """A new, unstarted server of ``kind`` (one of STORE_KINDS)."""
-    if kind == "moto":
-        from ._s3 import S3Server
-
-        return S3Server()
-    if kind == "seaweedfs":
-        from ._seaweedfs import SeaweedfsServer
-
-        return SeaweedfsServer()
-    if kind == "azurite":
-        from ._azurite import AzuriteServer
-
-        return AzuriteServer()
-    if kind == "fake-gcs":
-        from ._fake_gcs import FakeGcsServer
-
-        return FakeGcsServer()
-    raise ValueError(f"unknown object store {kind!r}: choose one of {', '.join(STORE_KINDS)}")
-
-
 _shared: dict[str, ObjectStoreServer] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_object_store(kind: str) -> ObjectStoreServer:
-    """The process's server of ``kind``, started on first use (again if it died), stopped at exit.
-
-    ``moto`` is the S3 server of the real mounts (:func:`shared_s3_server`): one moto per process.
-    """
-    if kind == "moto":
-        from ._s3 import shared_s3_server
-
-        return shared_s3_server()
+def shared_server(kind: str, factory: Callable[[], ObjectStoreServer]) -> ObjectStoreServer:
+    """The process's server of ``kind`` (``factory`` makes one), started on first use (again if
+    it died), stopped at exit. The kinds' modules and ``_store_kinds`` call it."""
     with _shared_lock:
         server = _shared.get(kind)
         if server is None or not server.is_running():
             if server is not None:
                 log.warning("the shared %s server died; starting a new one:\n%s", kind, server.log()[-2000:])
                 server.stop()
-            server = object_store_server(kind)  # raises ValueError on an unknown kind
+            server = factory()
             _shared[kind] = server.start()
         return server
 
 
-def stop_shared_object_stores() -> None:
-    """Stop every shared object-store server this process started (moto's: stop_shared_s3_server)."""
+def stop_shared_object_stores(kinds: Optional[Iterable[str]] = None) -> None:
+    """Stop the shared servers of ``kinds`` (default: every one) this process started."""
     with _shared_lock:
-        servers = list(_shared.values())
-        _shared.clear()
+        servers = [_shared.pop(kind) for kind in list(kinds if kinds is not None else _shared) if kind in _shared]
     for server in servers:
         server.stop()
 
@@ -383,11 +373,3 @@ class StoreBucket:
     def delete(self) -> None:
         """Delete the bucket and everything in it."""
         self.server.delete_bucket(self.name)
-
-
-def new_bucket(kind: str, *, prefix: str = "test") -> StoreBucket:
-    """A new, empty bucket with a unique name on the process's shared server of ``kind``."""
-    server = shared_object_store(kind)
-    name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-    server.create_bucket(name)
-    return StoreBucket(server, name)
