@@ -23,6 +23,7 @@ from safestage import COMMIT_NAME, _object_store
 from safestage._destination import ObjectURL, UnsupportedDestination, url_of
 from safestage.testing._stores import StoreBucket
 
+
 @pytest.fixture
 def bucket(store_bucket: StoreBucket) -> StoreBucket:
     """A fresh bucket on each kind of local store, reached through the store's standard
@@ -174,3 +175,16 @@ def test_a_second_writer_of_the_same_step_gets_eexist_and_overwrites_no_commit(b
 def _uploading(bucket: StoreBucket) -> bool:
     """Whether an upload in parts is in flight in ``bucket`` (S3 ListMultipartUploads)."""
     return bool(bucket.server.uploads_in_flight(bucket.name))
+
+
+@pytest.mark.regression("issue 31: Azurite showed Azure listing ETags without their quotes")
+def test_a_listing_gives_each_object_the_etag_its_upload_returned(bucket: StoreBucket, tmp_path: Path) -> None:
+    """latest_complete and verify match a commit's ETags against a LIST: the two must agree on
+    every store (Azure lists an ETag without the quotes its PUT answers with)."""
+    staged = tmp_path / "model.bin"
+    staged.write_bytes(os.urandom(1000))
+    uploaded = _object_store.upload(staged, object_url(bucket, "run/model.bin"))
+    created = _object_store.put_bytes(object_url(bucket, "run/commit.json"), b"{}", create=True)
+    listed = {info.key: info.etag for info in _object_store.listing(object_url(bucket, "run"))}
+    assert listed == {"run/model.bin": uploaded.etag, "run/commit.json": created}
+    assert _object_store.head(object_url(bucket, "run/model.bin")).etag == uploaded.etag  # type: ignore[union-attr]
