@@ -196,7 +196,7 @@ def upload(staged: Path, url: ObjectURL, digest: Optional[Any] = None) -> Upload
             str(url),
         )
     hexdigest = digest.hexdigest() if digest is not None else None
-    return Uploaded(size, time.perf_counter() - started, hexdigest, result.get("e_tag"))
+    return Uploaded(size, time.perf_counter() - started, hexdigest, _etag(result.get("e_tag")))
 
 
 def put_bytes(url: ObjectURL, data: bytes, *, create: bool = False) -> Optional[str]:
@@ -211,8 +211,7 @@ def put_bytes(url: ObjectURL, data: bytes, *, create: bool = False) -> Optional[
         if not _from_store(exc):
             raise
         raise _error(exc, url, "create" if create else "put") from exc
-    etag: Optional[str] = result.get("e_tag")
-    return etag
+    return _etag(result.get("e_tag"))
 
 
 def read(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[bytes]:
@@ -438,12 +437,20 @@ def delete(urls: list[ObjectURL]) -> None:
 # -- errors ------------------------------------------------------------------------------------------
 
 
+def _etag(value: Optional[str]) -> Optional[str]:
+    """An ETag in one form on every store: quoted, as HTTP writes it (RFC 9110 8.8.3). Azure
+    lists an object's ETag without the quotes its PUT and HEAD answer with; S3 quotes both."""
+    if value and not value.startswith(('"', 'W/"')):
+        return f'"{value}"'
+    return value
+
+
 def _info(meta: Mapping[str, Any]) -> ObjectInfo:
     modified = meta.get("last_modified")
     return ObjectInfo(
         key=meta["path"],
         size=int(meta["size"]),
-        etag=meta.get("e_tag") or meta.get("version"),
+        etag=_etag(meta.get("e_tag")) or meta.get("version"),
         modified=modified.timestamp() if modified is not None else 0.0,
     )
 

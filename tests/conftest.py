@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 import safestage
 from safestage import _patch
 from safestage.testing import hostile_mount
+from safestage.testing._stores import STORE_KINDS
 
 SHM = Path("/dev/shm")
 
@@ -204,6 +205,72 @@ def real_dir(request: pytest.FixtureRequest, real_mounts: dict[str, object]) -> 
     directory.mkdir()
     yield directory
     shutil.rmtree(directory, ignore_errors=True)  # through the mount: S3 modes have no backing dir
+
+
+# -- object stores: a real local server per kind (safestage.testing._stores), reached through
+# the store's standard environment only, as a user's job reaches a real bucket.
+
+
+def point_obstore_at(monkeypatch: pytest.MonkeyPatch, bucket: Any, endpoint: str | None = None) -> None:
+    """Set ``bucket``'s environment (through ``endpoint``, a FaultProxy's, when given), with
+    none of the caller's other variables of that store's family, and drop the clients made
+    for the previous environment."""
+    from safestage import _object_store
+    from safestage.testing._stores import ENV_PREFIXES
+
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIXES[bucket.server.scheme]):
+            monkeypatch.delenv(name)
+    for name, value in bucket.server.environment(bucket.name, endpoint=endpoint).items():
+        monkeypatch.setenv(name, value)
+    _object_store.after_fork_in_child()  # cached clients hold the previous endpoint
+
+
+def _store_bucket(kind: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from safestage import _object_store
+    from safestage.testing import new_bucket
+
+    bucket = new_bucket(kind)
+    point_obstore_at(monkeypatch, bucket)
+    yield bucket
+    _object_store.after_fork_in_child()
+    bucket.delete()  # straight to the server, never through a test's proxy
+
+
+# The kinds obstore can save to. Not fake-gcs: fake-gcs-server serves GCS's JSON API, and
+# obstore (Rust object_store) writes through GCS's XML API, which fake-gcs-server answers only
+# for signed URLs ("invalid uploadType"): no gs:// save can land on it (docs/testing-kit.md).
+SAVING_KINDS = tuple(kind for kind in STORE_KINDS if kind != "fake-gcs")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``store_bucket`` runs on every kind of local store obstore saves to, or on those a
+    ``stores`` marker names (the marker's ``why=`` says why the others are left out)."""
+    if "store_bucket" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("stores")
+        kinds = marker.args if marker is not None else SAVING_KINDS
+        if marker is not None and not set(SAVING_KINDS) <= set(kinds) and not marker.kwargs.get("why"):
+            raise pytest.UsageError(f"{metafunc.definition.nodeid}: a `stores` marker that leaves a kind out says why (why=...)")
+        metafunc.parametrize("store_bucket", kinds, indirect=True)
+
+
+@pytest.fixture
+def store_bucket(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A fresh bucket on each kind of local object store obstore saves to (moto, seaweedfs,
+    Azurite), the store's environment set for obstore: ``bucket.url`` is where to save."""
+    yield from _store_bucket(request.param, monkeypatch)
+
+
+@pytest.fixture
+def store_proxy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A FaultProxy in front of the test's ``store_bucket``'s server, obstore's environment
+    pointed at the proxy."""
+    from safestage.testing._fault_proxy import FaultProxy
+
+    bucket = request.getfixturevalue("store_bucket")
+    with FaultProxy(bucket.server.endpoint) as proxy:
+        point_obstore_at(monkeypatch, bucket, proxy.endpoint)
+        yield proxy
 
 
 @pytest.fixture

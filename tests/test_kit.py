@@ -111,18 +111,26 @@ def test_public_api() -> None:
     assert kit.__all__ == [
         "MODES",
         "REAL_MODES",
+        "STORE_KINDS",
+        "FaultProxy",
         "FuseUnavailable",
         "HostileMount",
+        "ObjectStoreServer",
+        "ObjectStoreUnavailable",
         "RealMount",
         "RealMountUnavailable",
         "S3Server",
+        "StoreBucket",
         "fuse_available",
         "hostile_mount",
+        "new_bucket",
         "real_available",
         "real_mount",
+        "shared_object_store",
         "shared_s3_server",
+        "stop_shared_object_stores",
         "stop_shared_s3_server",
-    ]  # the real mounts: tests/test_real_mounts.py
+    ]  # the real mounts: tests/test_real_mounts.py; the object stores: tests/test_kit_stores.py
     assert MODES == ("hdfs", "eopnotsupp", "objectstore", "mountpoint", "close-eio", "slow", "passthrough")
     assert issubclass(FuseUnavailable, RuntimeError)
     ok, reason = fuse_available()

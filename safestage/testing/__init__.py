@@ -40,10 +40,27 @@ mount time with :class:`RealMountUnavailable` naming it.
 The FUSE server runs in a separate process (never in the caller's); :meth:`HostileMount.faults`
 reads the fault counts it publishes. Importing this package imports neither torch, safetensors
 nor mfusepy: a machine without FUSE fails at mount time with :class:`FuseUnavailable`.
+
+Local object stores (``STORE_KINDS``: moto and seaweedfs for ``s3://``, Azurite for ``az://``,
+fake-gcs-server for ``gs://``), each a real server on 127.0.0.1, and a :class:`FaultProxy` that
+fails, resets or delays chosen requests in front of one and logs every request::
+
+    from safestage.testing import FaultProxy, new_bucket
+
+    bucket = new_bucket("seaweedfs")                 # a fresh bucket on the shared server
+    with FaultProxy(bucket.server.endpoint) as proxy:
+        os.environ.update(bucket.server.environment(bucket.name, endpoint=proxy.endpoint))
+        proxy.fail(503, method="PUT", query="partNumber")
+        save_to(bucket.url + "/run")                 # s3://test-.../run
+        assert proxy.count(method="PUT", query="partNumber") >= 2
+
+A server that cannot run here raises :class:`ObjectStoreUnavailable` naming what to install
+(docs/testing-kit.md).
 """
 
 from __future__ import annotations
 
+from ._fault_proxy import FaultProxy
 from ._mount import (
     MODES,
     FuseUnavailable,
@@ -54,19 +71,35 @@ from ._mount import (
 )
 from ._real import REAL_MODES, RealMount, real_available, real_mount
 from ._s3 import S3Server, shared_s3_server, stop_shared_s3_server
+from ._store_kinds import new_bucket, shared_object_store
+from ._stores import (
+    STORE_KINDS,
+    ObjectStoreServer,
+    ObjectStoreUnavailable,
+    StoreBucket,
+    stop_shared_object_stores,
+)
 
 __all__ = [
     "MODES",
     "REAL_MODES",
+    "STORE_KINDS",
+    "FaultProxy",
     "FuseUnavailable",
     "HostileMount",
+    "ObjectStoreServer",
+    "ObjectStoreUnavailable",
     "RealMount",
     "RealMountUnavailable",
     "S3Server",
+    "StoreBucket",
     "fuse_available",
     "hostile_mount",
+    "new_bucket",
     "real_available",
     "real_mount",
+    "shared_object_store",
     "shared_s3_server",
+    "stop_shared_object_stores",
     "stop_shared_s3_server",
 ]

@@ -1,4 +1,4 @@
-"""Starting and stopping the third-party processes of the real mounts (rclone, s3fs, moto).
+"""Starting and stopping the third-party processes of the real mounts and local object stores.
 
 Each runs under ``_supervise.py`` in a session of its own: a Ctrl-C aimed at the test run must
 not kill a mount tool before our teardown unmounts it, and the supervisor cleans up if we die.
@@ -30,6 +30,7 @@ def spawn_supervised(
     *,
     log_path: Path,
     env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[Path] = None,
     unmount: Optional[Path] = None,
     remove: Iterable[Path] = (),
 ) -> subprocess.Popen[bytes]:
@@ -48,6 +49,7 @@ def spawn_supervised(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=None if env is None else dict(env),
+            cwd=cwd,
             start_new_session=True,
             close_fds=True,
         )

@@ -1,145 +1,73 @@
-"""A local S3 server for the real mounts: moto in its own process, on 127.0.0.1 only.
+"""Local S3 servers: moto in its own process (the real mounts' and the tests'), and the S3
+side of the kit's object stores (:class:`S3Store`, which seaweedfs shares).
 
-One server per process is shared by every S3 mount (:func:`shared_s3_server`): moto takes
+One moto per process is shared by every S3 mount (:func:`shared_s3_server`): moto takes
 seconds to import, buckets keep mounts apart, and a bucket must outlive a remount. It is
 stopped at interpreter exit or by :func:`stop_shared_s3_server`; the supervisor stops it if
-the process dies first. The kit's own requests (bucket create/list/delete) use urllib: no
-boto3 in the caller's process.
+the process dies first. The kit's own requests (bucket create/list/delete, the multipart
+uploads in flight) use urllib, signed with SigV4: no boto3 in the caller's process.
+
+moto honours what safestage asks of S3: conditional create (``If-None-Match: *``, 412 when the
+key exists), multipart uploads and their abort, ListObjectsV2 pages and batched deletes. It
+does not check signatures; seaweedfs (``_seaweedfs``) does.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import logging
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
-import threading
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
-from ._mount import RealMountUnavailable
-from ._process import reap, spawn_supervised
+from ._signing import sigv4_headers
+from ._stores import (
+    START_TIMEOUT,
+    ObjectStoreUnavailable,
+    StoreRequestError,
+    SupervisedServer,
+    http_request,
+    shared_server,
+    stop_shared_object_stores,
+)
 
-log = logging.getLogger("safestage.testing")
-
-START_TIMEOUT = 60.0  # importing moto (and its many backends) takes 2-5 s, more on a busy CI box
-_HTTP_TIMEOUT = 10.0
 _SERVER_SCRIPT = Path(__file__).with_name("_s3_server.py")
 _EXIT_NO_MOTO = 3  # keep in sync with _s3_server.EXIT_NO_MOTO
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # werkzeug colours its access log even into a file
 
-ACCESS_KEY = "safestage"  # moto accepts any credentials; these only have to be well-formed
+ACCESS_KEY = "safestage"  # moto accepts any credentials; seaweedfs is configured with these
 SECRET_KEY = "safestage-secret"
 REGION = "us-east-1"
 
 MOTO_HINT = "install it into this interpreter: pip install 'moto[server]' (safestage pins it in .ci/constraints-real.txt)"
 
-# moto picks the service from the SigV4 credential scope; an unsigned request is routed by
-# guessing from its path. Naming s3 in the scope makes the kit's requests unambiguous (moto does
-# not check signatures unless told to).
-_AUTH = f"AWS4-HMAC-SHA256 Credential={ACCESS_KEY}/20200101/{REGION}/s3/aws4_request, SignedHeaders=host, Signature=0"
 
-# urllib honours http_proxy; this server is on 127.0.0.1 and must be reached directly.
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+class S3Error(StoreRequestError):
+    """A request of the kit to a local S3 server failed."""
 
 
-class S3Error(OSError):
-    """A request of the kit to the local S3 server failed."""
+class S3Store(SupervisedServer):
+    """An S3 server of the kit: signed bucket requests, the AWS environment, multipart uploads."""
 
+    scheme: ClassVar[str] = "s3"
 
-class S3Server:
-    """moto's S3 on ``endpoint`` (``http://127.0.0.1:<free port>``), data in memory."""
-
-    def __init__(self, *, timeout: float = START_TIMEOUT) -> None:
-        self.timeout = timeout
-        self.endpoint = ""
-        self._proc: Optional[subprocess.Popen[bytes]] = None
-        self._ctl: Optional[Path] = None
-        self._last_log = ""
-
-    # -- lifecycle ------------------------------------------------------------------------
-
-    @property
-    def pid(self) -> Optional[int]:
-        return self._proc.pid if self._proc is not None else None
-
-    def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def start(self) -> S3Server:
-        if self._proc is not None:
-            raise RuntimeError("this S3Server is already started")
-        self._ctl = Path(tempfile.mkdtemp(prefix="safestage-s3-"))
-        try:
-            port_file = self._ctl / "port"
-            self._proc = spawn_supervised(
-                [sys.executable, str(_SERVER_SCRIPT), "--port-file", str(port_file)],
-                log_path=self._ctl / "server.log",
-                remove=[self._ctl],
-            )
-            self.endpoint = f"http://127.0.0.1:{self._wait_port(port_file)}"
-            self._request("GET", "/")  # ListBuckets: the app answers, not just the socket
-        except BaseException:
-            self.stop()
-            raise
-        log.debug("S3 server (moto) at %s, pid %s", self.endpoint, self.pid)
-        return self
-
-    def stop(self) -> None:
-        """Stop the server (its buckets vanish with it). Idempotent, bounded."""
-        proc, self._proc = self._proc, None
-        try:
-            if proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.terminate()
-                reap(proc, grace=5.0)
-        finally:
-            self.log()
-            if self._ctl is not None:
-                shutil.rmtree(self._ctl, ignore_errors=True)
-                self._ctl = None
-
-    def log(self) -> str:
-        """The server's output: moto's access log, one line per request, with times."""
-        if self._ctl is not None:
-            with contextlib.suppress(FileNotFoundError):
-                text = (self._ctl / "server.log").read_text(encoding="utf-8", errors="replace")
-                self._last_log = _ANSI.sub("", text)
-        return self._last_log
-
-    def _wait_port(self, port_file: Path) -> int:
-        assert self._proc is not None
-        deadline = time.monotonic() + self.timeout
-        while True:
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                return int(port_file.read_text(encoding="ascii"))
-            code = self._proc.poll()
-            if code is not None:
-                text = self.log()
-                if code == _EXIT_NO_MOTO:
-                    raise RealMountUnavailable(f"moto is not installed in {sys.executable}: {MOTO_HINT}\n{text}")
-                raise RuntimeError(f"the S3 server (moto) exited with status {code} before listening:\n{text}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the S3 server (moto) did not listen within {self.timeout:.0f} s:\n{self.log()}")
-            time.sleep(0.05)
-
-    # -- buckets --------------------------------------------------------------------------
+    def environment(self, bucket: str, *, endpoint: Optional[str] = None) -> dict[str, str]:
+        """What a user sets for a real bucket: obstore (and boto3, the AWS CLI) read these."""
+        return {
+            "AWS_ENDPOINT_URL": endpoint or self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": REGION,
+            "AWS_ALLOW_HTTP": "true",
+        }
 
     def create_bucket(self, bucket: str) -> None:
         self._request("PUT", f"/{bucket}")
 
     def list_objects(self, bucket: str) -> list[str]:
-        """Every key in ``bucket``, as the server holds it (no mount cache in between)."""
+        """Every key in ``bucket``, as the server holds it (no client or mount cache between)."""
         keys: list[str] = []
         token: Optional[str] = None
         while True:
@@ -150,52 +78,89 @@ class S3Server:
             keys += [key.text or "" for key in root.iter(f"{_NS}Key")]
             token = root.findtext(f"{_NS}NextContinuationToken")
             if root.findtext(f"{_NS}IsTruncated") != "true" or not token:
-                return keys
+                return sorted(keys)
+
+    def uploads_in_flight(self, bucket: str) -> list[str]:
+        """The keys of the multipart uploads begun and neither completed nor aborted
+        (ListMultipartUploads), sorted; one entry per upload."""
+        root = ET.fromstring(self._request("GET", f"/{bucket}?uploads="))
+        return sorted(upload.findtext(f"{_NS}Key") or "" for upload in root.iter(f"{_NS}Upload"))
 
     def delete_bucket(self, bucket: str) -> None:
-        """Delete every object in ``bucket``, then the bucket."""
+        """Abort its multipart uploads, delete every object in ``bucket``, then the bucket."""
+        root = ET.fromstring(self._request("GET", f"/{bucket}?uploads="))
+        for upload in root.iter(f"{_NS}Upload"):
+            key, upload_id = upload.findtext(f"{_NS}Key") or "", upload.findtext(f"{_NS}UploadId") or ""
+            self._request("DELETE", f"/{bucket}/{_quote(key)}?{urllib.parse.urlencode({'uploadId': upload_id})}")
         for key in self.list_objects(bucket):
-            self._request("DELETE", f"/{bucket}/{urllib.parse.quote(key, safe='/~')}")
+            self._request("DELETE", f"/{bucket}/{_quote(key)}")
         self._request("DELETE", f"/{bucket}")
 
-    def _request(self, method: str, target: str) -> bytes:
+    def _request(self, method: str, target: str, body: bytes = b"") -> bytes:
         if not self.endpoint:
-            raise S3Error(f"S3 server not started ({method} {target})")
-        request = urllib.request.Request(self.endpoint + target, method=method, headers={"Authorization": _AUTH})
+            raise S3Error(f"{self.name} not started ({method} {target})")
+        url = self.endpoint + target
+        headers = sigv4_headers(method, url, access_key=ACCESS_KEY, secret_key=SECRET_KEY, region=REGION, body=body)
         try:
-            with _opener.open(request, timeout=_HTTP_TIMEOUT) as response:
-                body: bytes = response.read()
-                return body
-        except urllib.error.HTTPError as exc:
-            detail = exc.read()[:500].decode(errors="replace")
-            raise S3Error(f"S3 {method} {target} at {self.endpoint}: HTTP {exc.code} {detail}") from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise S3Error(f"S3 {method} {target} at {self.endpoint}: {exc}") from exc
+            return http_request(method, url, headers=headers, body=body, what=f"{self.name} at {self.endpoint}")
+        except StoreRequestError as exc:
+            raise S3Error(str(exc), status=exc.status) from exc
+
+    def _answers(self) -> bool:
+        """Whether the S3 API answers a signed ListBuckets."""
+        try:
+            self._request("GET", "/")
+        except S3Error as exc:
+            if exc.status is not None:
+                raise  # it answers, but refuses the kit: a misconfiguration, said at once
+            return False
+        return True
 
 
-_shared: Optional[S3Server] = None
-_shared_lock = threading.Lock()
+def _quote(key: str) -> str:
+    return urllib.parse.quote(key, safe="/~")
+
+
+class S3Server(S3Store):
+    """moto's S3 on ``endpoint`` (``http://127.0.0.1:<free port>``), data in memory."""
+
+    kind: ClassVar[str] = "moto"
+    name: ClassVar[str] = "the S3 server (moto)"
+    install_hint: ClassVar[str] = MOTO_HINT
+
+    def __init__(self, *, timeout: float = START_TIMEOUT) -> None:
+        super().__init__(timeout=timeout)
+
+    def _command(self, ctl: Path) -> list[str]:
+        return [sys.executable, str(_SERVER_SCRIPT), "--port-file", str(ctl / "port")]
+
+    def _probe(self) -> Optional[str]:
+        assert self._ctl is not None
+        try:
+            port = int((self._ctl / "port").read_text(encoding="ascii"))
+        except (FileNotFoundError, ValueError):
+            return None
+        self.endpoint = f"http://127.0.0.1:{port}"
+        # ListBuckets: the app answers, not just the socket.
+        return self.endpoint if self._answers() else None
+
+    def _exited(self, code: int, text: str) -> Optional[BaseException]:
+        if code == _EXIT_NO_MOTO:
+            return ObjectStoreUnavailable(f"moto is not installed in {sys.executable}: {MOTO_HINT}\n{text}")
+        return None
+
+    def log(self) -> str:
+        """The server's output: moto's access log, one line per request, with times."""
+        return _ANSI.sub("", super().log())
 
 
 def shared_s3_server() -> S3Server:
-    """The process's S3 server, started on first use (again if it died), stopped at exit."""
-    global _shared
-    with _shared_lock:
-        if _shared is None or not _shared.is_running():
-            if _shared is not None:
-                log.warning("the shared S3 server died; starting a new one:\n%s", _shared.log()[-2000:])
-                _shared.stop()
-            _shared = S3Server().start()
-        return _shared
+    """The process's moto S3 server, started on first use (again if it died), stopped at exit."""
+    server = shared_server("moto", S3Server)
+    assert isinstance(server, S3Server)
+    return server
 
 
 def stop_shared_s3_server() -> None:
-    """Stop the shared S3 server if one runs (mounts on it must be stopped first)."""
-    global _shared
-    with _shared_lock:
-        server, _shared = _shared, None
-    if server is not None:
-        server.stop()
-
-
-atexit.register(stop_shared_s3_server)
+    """Stop the shared moto S3 server if one runs (mounts on it must be stopped first)."""
+    stop_shared_object_stores(["moto"])

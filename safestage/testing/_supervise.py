@@ -1,6 +1,6 @@
 """Entry point of the supervisor that runs a third-party mount tool (or the S3 server).
 
-Started by ``_real`` as ``python <this file> --parent-pid P [--unmount DIR] [--remove DIR]... --
+Started by ``_real`` as ``python <this file> --parent-pid P [--unmount DIR] [--remove PATH]... --
 tool args...``. It runs the tool as its child, passes SIGTERM/SIGINT on to it and exits with its
 status. Its one extra job: if the process that asked for the mount dies without tearing it down
 (a test run killed with SIGKILL), unmount lazily, stop the tool and remove the kit's directories,
@@ -14,6 +14,7 @@ die with it). Standard library only, run as a file: nothing of safestage is impo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -30,7 +31,7 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="safestage mount-tool supervisor")
     parser.add_argument("--parent-pid", type=int, required=True, help="clean up when this pid dies")
     parser.add_argument("--unmount", default=None, metavar="DIR", help="mountpoint to unmount then")
-    parser.add_argument("--remove", action="append", default=[], metavar="DIR", help="remove then")
+    parser.add_argument("--remove", action="append", default=[], metavar="DIR", help="remove then (a directory or a file)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the tool and its arguments")
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -114,7 +115,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 _lazy_unmount(args.unmount)
             _stop(child)
             for directory in args.remove:
-                shutil.rmtree(directory, ignore_errors=True)
+                if os.path.isdir(directory) and not os.path.islink(directory):
+                    shutil.rmtree(directory, ignore_errors=True)
+                else:  # a server's socket file
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(directory)
             return 0
         if code is not None:
             return code
