@@ -18,10 +18,13 @@ from typing import Any
 
 import pytest
 
+from safestage.testing._s3 import shared_s3_server
+from tests._stores import s3_environment
 from tests._two_nodes import Job, launch
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
 RANKS = 4
+BUCKET = f"dcp-{uuid.uuid4().hex[:10]}"  # the url: cases' bucket
 
 # (case name, kind, mount): dcp_worker.py says what each kind does.
 CASES = [
@@ -40,6 +43,7 @@ CASES = [
     ("switch-id-mountpoint", "switch-id", "kit:mountpoint"),
     ("switch-id-hdfs", "switch-id", "kit:hdfs"),
     ("switch-id-s3fs", "switch-id", "real:s3fs"),
+    ("switch-id-url", "switch-id", "url:s3"),  # checkpoint_id="s3://...": no mount, no fsspec
     ("switch-writer", "switch-writer", "kit:mountpoint"),
     ("switch-async", "switch-async", "kit:hdfs"),
     ("switch-async-process", "switch-async-process", "kit:mountpoint"),
@@ -54,23 +58,30 @@ CASES = [
     ("accelerate", "accelerate", "kit:hdfs"),
 ]
 
-_ran: dict[str, tuple[Job, dict[str, Path], tuple[Path, Path]]] = {}
+_ran: dict[str, tuple[Job, dict[str, Any], tuple[Path, Path]]] = {}
 
 
 def shared(
     tmp_path_factory: pytest.TempPathFactory, kit_mounts: dict[str, Any], real_mounts: dict[str, Any]
-) -> tuple[Job, dict[str, Path], tuple[Path, Path]]:
+) -> tuple[Job, dict[str, Any], tuple[Path, Path]]:
     """(the job, each case's destination, the two nodes' staging roots), run on first use.
     Each destination is ``step-7`` in a fresh directory of its mount (``ckpts`` for the fit,
-    ``checkpoints`` for accelerate): made by the save, whose parent must exist."""
+    ``checkpoints`` for accelerate): made by the save, whose parent must exist; a "url:s3"
+    case's is the URL ``s3://<BUCKET>/t-<id>/step-7`` (a str), on the local moto server, whose
+    AWS environment the launch passes on (``s3_environment``: a test reading it sets it too)."""
     if "job" not in _ran:
         base = tmp_path_factory.mktemp("dcp")
         roots = (base / "node0", base / "node1")
         for root in roots:
             root.mkdir()
         dests, plan = {}, []
+        shared_s3_server().create_bucket(BUCKET)
         for name, kind, where in CASES:
             family, mode = where.split(":")
+            if family == "url":
+                dests[name] = f"s3://{BUCKET}/t-{uuid.uuid4().hex[:10]}/step-7"
+                plan.append({"name": name, "kind": kind, "dest": dests[name]})
+                continue
             mount = (kit_mounts if family == "kit" else real_mounts)[mode]
             parent = Path(mount.path) / f"t-{uuid.uuid4().hex[:10]}"
             parent.mkdir()
@@ -78,7 +89,7 @@ def shared(
             plan.append({"name": name, "kind": kind, "dest": str(dests[name])})
         (base / "plan.json").write_text(json.dumps(plan))
         job = launch(WORKER, [str(base / "plan.json")], roots=roots, result_dir=base / "results", timeout=900,
-                     env={"GLOO_SOCKET_IFNAME": "lo"})  # fmt: skip
+                     env={"GLOO_SOCKET_IFNAME": "lo", **s3_environment()})  # fmt: skip
         _ran["job"] = (job, dests, roots)
     return _ran["job"]
 

@@ -11,7 +11,12 @@ argv: run_dir reference_dir total_steps every [record]
     its own (shard-rank<R>.safetensors, 1 MiB, so that publishing takes a while);
   - ``record``: rank 0 writes the reference state of every step into reference_dir.
 env SAFESTAGE_TEST_KILL: {"rank": R, "checkpoint": K, "delay": D}: rank R kills itself D
-seconds after entering its K-th checkpoint of this job.
+seconds after entering its K-th checkpoint of this job; with "once": "<path>" instead of a
+delay, as soon as that object of the checkpoint is in the store (run_dir an object-store URL:
+a step of the commit, seen from outside).
+
+run_dir may be an object-store URL (s3://bucket/run): the job then starts from step 0 (it
+does not resume) and checkpoints to run_dir/checkpoint-<step>.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from safetensors.torch import load_file, save_file
 from torch.nn.parallel import DistributedDataParallel
 
 import safestage
+from safestage import _object_store
+from safestage._destination import ObjectURL, url_of
 from tests._two_nodes import report
 
 
@@ -48,7 +55,8 @@ def shard_of(step: int, rank: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    run_dir, reference = Path(sys.argv[1]), Path(sys.argv[2])
+    url = url_of(sys.argv[1])
+    run_dir, reference = sys.argv[1].rstrip("/") if url else Path(sys.argv[1]), Path(sys.argv[2])
     total, every = int(sys.argv[3]), int(sys.argv[4])
     record = len(sys.argv) > 5 and sys.argv[5] == "record"
     kill = json.loads(os.environ.get("SAFESTAGE_TEST_KILL") or "null")
@@ -57,7 +65,7 @@ def main() -> None:
     model = model_for()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     step, resumed_from, resumed_equal = 0, None, None
-    latest = safestage.latest_complete(run_dir)
+    latest = None if url else safestage.latest_complete(run_dir)
     if latest is not None:
         saved = load_file(str(latest / "model.safetensors"))
         saved_step = int(saved.pop("_step").item())
@@ -87,11 +95,16 @@ def main() -> None:
             if step % every:
                 continue
             if kill is not None and kill["rank"] == rank and kill["checkpoint"] == checkpoints:
-                threading.Thread(target=_die_after, args=(kill["delay"],), daemon=True).start()
+                if "once" in kill:
+                    seen = url_of(f"{run_dir}/checkpoint-{step}/{kill['once']}")
+                    threading.Thread(target=_die_once, args=(seen,), daemon=True).start()
+                else:
+                    threading.Thread(target=_die_after, args=(kill["delay"],), daemon=True).start()
             started, phase = time.monotonic(), "checkpoint"
             # timeout: a rank killed while the first commit makes safestage's gloo group is seen
             # only after it (docs/distributed.md); every other death at once.
-            with safestage.staged_dir(run_dir / f"checkpoint-{step}", group=dist.group.WORLD, timeout=60) as local:
+            dest = f"{run_dir}/checkpoint-{step}" if url else run_dir / f"checkpoint-{step}"
+            with safestage.staged_dir(dest, group=dist.group.WORLD, timeout=60) as local:
                 if rank == 0:  # with its step, so that a reader can tell the steps apart exactly
                     save_file({**model.state_dict(), "_step": torch.tensor([step])}, str(local / "model.safetensors"))
                 save_file(shard_of(step, rank), str(local / f"shard-rank{rank}.safetensors"))
@@ -126,6 +139,12 @@ def _final_equal(model: torch.nn.Module, reference: Path, step: int) -> bool:
 
 def _die_after(delay: float) -> None:
     time.sleep(delay)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_once(seen: ObjectURL) -> None:
+    while _object_store.head(seen) is None:
+        time.sleep(0.002)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,5 +1,6 @@
 """A rank of a distributed job for tests/test_group_commit.py: runs the cases of a JSON plan
-(argv[1]) through ``staged_dir(dest, group=WORLD)`` and reports what each returned or raised."""
+(argv[1]) through ``staged_dir(dest, group=WORLD)`` and reports what each returned or raised.
+A case's dest is a path or an object-store URL (the AWS environment comes from the launch)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +40,15 @@ def write(local: Path, rank: int, case: str, plan: dict) -> None:
         (local / "full" / "big.bin").write_bytes(os.urandom(4 << 20))  # more than it holds
 
 
+def unreachable(case: dict, rank: int) -> Optional[str]:
+    """Case "unreachable": the store cannot be reached from rank ``case["rank"]`` (its bucket's
+    endpoint, for this process only, a port nobody listens on; no retries). The URL to reset."""
+    if case["name"] != "unreachable" or rank != case["rank"]:
+        return None
+    safestage.configure_store(case["dest"], {"endpoint": case["endpoint"], "retry_config": {"max_retries": 0}})
+    return str(case["dest"])
+
+
 def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
@@ -45,6 +56,7 @@ def main() -> None:
     results = []
     for case in plan["cases"]:
         started = time.monotonic()
+        cut = unreachable(case, rank)
         try:
             background = case["name"] == "background"
             handle = safestage.staged_dir(case["dest"], group=dist.group.WORLD, background=background)
@@ -64,6 +76,9 @@ def main() -> None:
         except BaseException as exc:  # reported, the next case goes on
             results.append({"case": case["name"], "ok": False, "type": type(exc).__name__, "error": str(exc),
                             "errno": getattr(exc, "errno", None), "staged_path": getattr(exc, "staged_path", None)})
+        finally:
+            if cut is not None:
+                safestage.configure_store(cut, None)
     report(results=results)
     dist.destroy_process_group()
 

@@ -22,8 +22,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
 import safestage
-from safestage import COMMIT_NAME
+from safestage import COMMIT_NAME, _object_store
+from safestage._destination import ObjectURL, url_of
 from tests import _dcp_job
+from tests._stores import download, s3_environment
 from tests._two_nodes import Job
 
 RANKS = _dcp_job.RANKS
@@ -215,3 +217,35 @@ def test_switch_leaves_a_writer_subclass_alone_and_says_so_once(job: Any) -> Non
     said = [line for line in result.output().splitlines()
             if "SubclassWriter, a subclass of DCP's FileSystemWriter, is not staged" in line]
     assert len([line for line in said if "WARNING" in line]) == 1, result.output()  # once per job
+
+
+@pytest.mark.slow
+def test_switch_commits_every_ranks_dcp_files_to_a_url_with_their_etags_and_stock_dcp_loads_a_copy(
+    job: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """dcp.save(checkpoint_id="s3://...") on 4 ranks, the switch on, no fsspec: every rank
+    uploads its own .distcp from its own node, and the commit object lists each with its rank
+    and the ETag the store has for it."""
+    result, dests, _ = job
+    assert all(outcome == {"ok": True} for outcome in outcomes(result, "switch-id-url").values())
+    for key, value in s3_environment().items():
+        monkeypatch.setenv(key, value)
+    _object_store.after_fork_in_child()  # clients made for another test's environment
+    url = dests["switch-id-url"]
+    dest = url_of(url)
+    assert isinstance(dest, ObjectURL)
+    objects = {info.key[len(dest.prefix) :]: info for info in _object_store.listing(dest)}
+    assert sorted(objects) == sorted([*DATA, ".metadata", COMMIT_NAME])
+    document = json.loads(_object_store.read(dest / COMMIT_NAME) or b"")
+    entries = {entry["path"]: entry for entry in document["files"]}
+    assert {path: entry["rank"] for path, entry in entries.items()} == {
+        **{path: rank for rank, path in enumerate(DATA)}, ".metadata": 0
+    }
+    for path, entry in entries.items():
+        assert entry["etag"] and (entry["size"], entry["etag"]) == (objects[path].size, objects[path].etag), path
+    copy = download(url, tmp_path / "step-7")
+    assert pickle.loads((copy / ".metadata").read_bytes()).storage_meta.checkpoint_id == url
+    state = stock_load(copy)
+    assert state.pop("step") == 7
+    for key, value in expected_state().items():
+        assert torch.equal(state[key], value), key

@@ -12,19 +12,30 @@ random moment of a random checkpoint. After every job:
 
 SAFESTAGE_DIST_KILL_TRIALS sets the number of jobs (each is one kill; CI runs a few, 100 and
 more were run for the record: see CHANGELOG.md); SAFESTAGE_DIST_KILL_SEED the seed.
+
+The same job commits to an object-store URL (s3:// on the local moto server, reached through
+the AWS environment the launch passes on), a rank killed at a step of a commit seen from
+outside: once an object of it is in the store. Then no rank hangs, and every checkpoint under
+the run has no commit object or a complete one: listing exactly the objects there, with their
+sizes and ETags, holding the state of its step.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _support import tiered
 from safetensors.torch import load_file
 
 import safestage
+from safestage import COMMIT_NAME, _object_store
+from safestage._destination import ObjectURL, url_of
+from tests._stores import download, new_bucket, s3_environment
 from tests._two_nodes import launch
 
 WORKER = Path(__file__).with_name("ddp_kill_worker.py")
@@ -136,3 +147,81 @@ def test_a_rank_killed_at_any_moment_of_a_checkpoint_never_leaves_a_wrong_latest
     if trials > 1:  # the second job on a mount resumes the run a killed job left
         assert resumed > 0, "no job resumed from latest_complete: the trials did not test resuming"
     assert fired >= trials // 2, f"only {fired} of {trial} kills came during a checkpoint: the trials did not test them"
+
+
+def _of_its_step(checkpoint: Path) -> bool:
+    """Every file of ``checkpoint`` (a copy of a run's checkpoint-<step>) is of its step: the
+    model's step, each rank's optimizer step and its shard (ddp_kill_worker.shard_of)."""
+    step = int(checkpoint.name.split("-")[1])
+    if load_file(str(checkpoint / "model.safetensors"))["_step"].item() != step:
+        return False
+    for rank in range(RANKS):
+        own = torch.load(checkpoint / "optim" / f"rank{rank}.pt", weights_only=False)
+        shard = load_file(str(checkpoint / f"shard-rank{rank}.safetensors"))["shard"]
+        if own["step"] != step or not torch.all(shard == step * 10 + rank):
+            return False
+    return True
+
+
+def _files(rank: int) -> list[str]:
+    return [f"shard-rank{rank}.safetensors", f"optim/rank{rank}.pt", f"rng/rank{rank}.pt"]
+
+
+# (the rank killed, the object of the checkpoint whose landing kills it): a rank once one of
+# its files landed, others still publishing (on the other node, on its own; the coordinator);
+# the coordinator once the commit object landed, before the others heard of it.
+URL_KILLS = [(2, "shard-rank2.safetensors"), (1, "optim/rank1.pt"), (0, "shard-rank0.safetensors"),
+             (3, "rng/rank3.pt"), (0, COMMIT_NAME)]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", tiered(URL_KILLS, ci=[URL_KILLS[0]]), ids=lambda kill: f"rank{kill[0]}-{kill[1]}")
+def test_a_rank_killed_at_a_step_of_a_collective_commit_to_a_url_leaves_no_commit_object_or_a_complete_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill: tuple[int, str]
+) -> None:
+    bucket = new_bucket(monkeypatch, "kill")
+    run = f"s3://{bucket}/run"
+    roots = (tmp_path / "node0", tmp_path / "node1")
+    for root in roots:
+        root.mkdir()
+    rank, once = kill
+    job = launch(WORKER, [run, str(tmp_path / "no-reference"), str(TOTAL), str(EVERY)], roots=roots,
+                 result_dir=tmp_path / "results", timeout=JOB_TIMEOUT, env={**s3_environment(),
+                 "SAFESTAGE_TEST_KILL": json.dumps({"rank": rank, "checkpoint": 1, "once": once})})  # fmt: skip
+    where = f"kill of rank {rank} once {once} landed, {job.seconds:.1f} s"
+    assert not job.timed_out, f"{where}: a rank hung\n{job.output()}"
+    assert rank not in job.reports, f"{where}: the kill did not fire\n{job.output()}"
+    for other, seen in job.reports.items():  # its node-mate may have been stopped by torchrun
+        assert seen["error"] is not None, (where, other, seen)
+        if once == COMMIT_NAME:  # the commit had landed: they returned from it, and training failed
+            assert seen["error"]["phase"] == "training" and seen["step"] == 2 * EVERY, (where, other, seen)
+        else:
+            assert seen["error"]["phase"] == "checkpoint", (where, other, seen)
+            assert seen["error"]["type"] == "PublishError" and "rank" in seen["error"]["message"], (where, seen)
+    prefix = url_of(run)
+    assert isinstance(prefix, ObjectURL)
+    steps: dict[str, dict[str, Any]] = {}
+    for info in _object_store.listing(prefix):
+        name, _, path = info.key[len(prefix.prefix):].partition("/")
+        steps.setdefault(name, {})[path] = info
+    # The first checkpoint landed; the second was the one the kill came in; none after it began.
+    assert sorted(steps) == [f"checkpoint-{EVERY}", f"checkpoint-{2 * EVERY}"], (where, sorted(steps))
+    complete = []
+    for name, objects in sorted(steps.items()):
+        if COMMIT_NAME not in objects:
+            continue
+        document = json.loads(_object_store.read(prefix / name / COMMIT_NAME) or b"")
+        listed = {entry["path"]: entry for entry in document["files"]}
+        assert sorted(listed) == sorted(path for path in objects if path != COMMIT_NAME), (where, name)
+        for path, entry in listed.items():
+            assert (entry["size"], entry["etag"]) == (objects[path].size, objects[path].etag), (where, name, path)
+        expected = {path: owner for owner in range(RANKS) for path in _files(owner)}
+        assert {path: entry["rank"] for path, entry in listed.items()} == {**expected, "model.safetensors": 0}
+        assert _of_its_step(download(f"{run}/{name}", tmp_path / "copies" / name)), (where, name)
+        complete.append(name)
+    killed = f"checkpoint-{2 * EVERY}"
+    if once == COMMIT_NAME:  # the coordinator died after its commit object landed: complete
+        assert complete == [f"checkpoint-{EVERY}", killed], where
+    else:  # a rank died while the ranks published: no commit object
+        assert complete == [f"checkpoint-{EVERY}"], where
+        assert once in steps[killed], where  # the kill came once that object had landed

@@ -266,7 +266,7 @@ class Collective:
             published = {entry.path for entry in entries}
             raise PublishError(
                 getattr(error, "errno", None) or errno.ECANCELED,
-                f"safestage could not commit {self.dest}: rank {rank} could not publish: {text}. No "
+                f"safestage could not commit {self.dest}: rank {rank} could not publish: {text.rstrip('.')}. No "
                 f"commit file was written: {self.dest} is not complete. This rank's copy is kept in {local}.",
                 str(self.dest), staged_path=str(local), step="collective",
                 landed=tuple(sorted(published)), not_landed=None,
