@@ -21,9 +21,10 @@ Then, from what is on disk only:
   because it is marked disposable; the destination holds no temp file after a clean.
 
 Trials come from SAFESTAGE_CKPT_CRASH_TRIALS (default 240, about 3 minutes on 2 cores),
-shared by weight by the five destinations: disk (staging root on the same filesystem:
-rename), kit hdfs (replace), kit mountpoint (direct) and the real s3fs and rclone-s3 mounts (replace, moto
-S3; a commit there takes ~2 s, so it gets a smaller share).
+shared by weight by the six destinations: disk (staging root on the same filesystem:
+rename), kit hdfs (replace), kit mountpoint (direct), the real s3fs and rclone-s3 mounts (replace, moto
+S3; a commit there takes ~2 s, so it gets a smaller share) and an s3:// URL with no mount (upload,
+moto S3: objects, then the commit object created last; "latest" there is one LIST and one GET).
 """
 
 from __future__ import annotations
@@ -47,14 +48,16 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
+from _stores import new_bucket
 from _support import CALIBRATION_RUNS, EXTRA_TRIALS
 from ckpt_crash_child import generation
 
 import safestage
-from safestage import COMMIT_NAME
+from safestage import COMMIT_NAME, _object_store
 from safestage._clean import clean
-from safestage.checkpoint._manifest import FileEntry, new_manifest
+from safestage._destination import ObjectURL, url_of
 from safestage._names import DISPOSABLE_MARKER, parse_stage_dir, parse_temp_name
+from safestage.checkpoint._manifest import FileEntry, new_manifest
 
 CHILD = Path(__file__).with_name("ckpt_crash_child.py")
 
@@ -66,6 +69,7 @@ WEIGHTS = {
     "mountpoint-direct": 3,
     "s3fs-replace": 1,
     "rclone-s3-replace": 1,
+    "s3-url-upload": 2,
 }
 
 
@@ -98,6 +102,51 @@ class Destination:
     root: Path
     publish: str
     strategy: str
+    url: Optional[str] = None  # an object-store run URL: parent and backing are unused then
+
+    @property
+    def run(self) -> str:
+        """What the child commits under and latest_complete reads: the run's path or URL."""
+        return self.url or str(self.parent)
+
+    def read(self, checkpoint: str, relative: str) -> bytes:
+        """A file of a checkpoint, as the destination holds it (the server's object for a URL)."""
+        if self.url is None:
+            return (self.parent / checkpoint / relative).read_bytes()
+        data = _object_store.read(_url(f"{self.url}/{checkpoint}/{relative}"))
+        if data is None:
+            raise FileNotFoundError(f"{self.url}/{checkpoint}/{relative}")
+        return data
+
+    def write(self, checkpoint: str, relative: str, data: bytes) -> None:
+        """Plant a file without safestage's publish path (the backing directory; a plain PUT)."""
+        if self.url is not None:
+            _object_store.put_bytes(_url(f"{self.url}/{checkpoint}/{relative}"), data)
+            return
+        target = (self.backing or self.parent) / checkpoint / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+    def exists(self, checkpoint: str, relative: str = "") -> bool:
+        if self.url is None:
+            return (self.parent / checkpoint / relative).exists()
+        under = _url(f"{self.url}/{checkpoint}")
+        if relative:
+            return _object_store.head(under / relative) is not None
+        return bool(_object_store.listing(under))
+
+    def remove(self, checkpoint: str) -> None:
+        if self.url is not None:
+            under = _url(f"{self.url}/{checkpoint}")
+            _object_store.delete([under / info.key[len(under.prefix):] for info in _object_store.listing(under)])
+            return
+        remove_checkpoint(self, checkpoint)
+
+
+def _url(text: str) -> ObjectURL:
+    parsed = url_of(text)
+    assert isinstance(parsed, ObjectURL), text
+    return parsed
 
 
 @dataclass
@@ -158,7 +207,7 @@ class Run:
 def run_commit(dest: Destination, seed: int, delay: Optional[float]) -> Run:
     """One child commits generation ``seed`` to checkpoint-2; SIGKILL it ``delay`` s in."""
     child = subprocess.Popen(
-        [sys.executable, str(CHILD), str(os.getpid()), str(dest.parent / "checkpoint-2"),
+        [sys.executable, str(CHILD), str(os.getpid()), f"{dest.run}/checkpoint-2",
          str(dest.root), str(seed), dest.publish],
         stdout=subprocess.PIPE,
         env={k: v for k, v in os.environ.items() if not k.startswith("SAFESTAGE")},
@@ -192,10 +241,15 @@ def _read_lines(child: subprocess.Popen[bytes], count: int, timeout: float) -> l
     return buffer.decode().splitlines()
 
 
-def make_destination(kind: str, tmp_path: Path, kit_mounts: dict[str, Any], real_mounts: dict[str, Any]) -> Destination:
+def make_destination(
+    kind: str, tmp_path: Path, kit_mounts: dict[str, Any], real_mounts: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> Destination:
     name = f"ckpt-crash-{uuid.uuid4().hex[:8]}"
     root = tmp_path / "root"
     root.mkdir()
+    if kind == "s3-url-upload":
+        bucket = new_bucket(monkeypatch, prefix="ckpt-crash")
+        return Destination(kind, tmp_path / "unused", None, root, "auto", "upload", url=f"s3://{bucket}/run")
     if kind == "disk-rename":
         parent = tmp_path / name
         parent.mkdir()
@@ -215,13 +269,11 @@ def plant(dest: Destination, checkpoint: str, seed: int) -> None:
     """A complete checkpoint of generation ``seed``, planted without safestage's publish path
     (through the backing directory where there is one): files, then a commit file whose
     digests are computed here."""
-    base = (dest.backing or dest.parent) / checkpoint
     files = generation(seed)
     for relative, data in files.items():
-        (base / relative).parent.mkdir(parents=True, exist_ok=True)
-        (base / relative).write_bytes(data)
+        dest.write(checkpoint, relative, data)
     entries = [FileEntry(path, len(data), f"{zlib.crc32(data):08x}") for path, data in files.items()]
-    (base / COMMIT_NAME).write_bytes(new_manifest(entries, [], "test").encode())
+    dest.write(checkpoint, COMMIT_NAME, new_manifest(entries, [], "test").encode())
 
 
 def remove_checkpoint(dest: Destination, checkpoint: str) -> None:
@@ -248,16 +300,16 @@ def retrying(read: Callable[[], Any]) -> Any:
     return read()
 
 
-def generation_of(directory: Path) -> Optional[int]:
-    """Which generation ``directory`` holds, judged by this test alone: its commit file's
+def generation_of(dest: Destination, checkpoint: str) -> Optional[int]:
+    """Which generation ``checkpoint`` holds, judged by this test alone: its commit file's
     list must be exactly one generation's files, each file's bytes equal to it and each
     listed CRC-32 equal to the one computed here. None: not one generation (WRONG if a
     complete checkpoint was claimed)."""
-    document = json.loads(retrying(lambda: (directory / COMMIT_NAME).read_bytes()))
+    document = json.loads(retrying(lambda: dest.read(checkpoint, COMMIT_NAME)))
     listed = {entry["path"]: entry for entry in document["files"]}
     if sorted(listed) != sorted(generation(GEN_A)):
         return None
-    held = {path: retrying(lambda p=path: (directory / p).read_bytes()) for path in listed}
+    held = {path: retrying(lambda p=path: dest.read(checkpoint, p)) for path in listed}
     # Every generation's config.json names its seed: the candidate, checked in full below.
     seed = int(json.loads(held["config.json"])["seed"])
     files = generation(seed)
@@ -269,18 +321,19 @@ def generation_of(directory: Path) -> Optional[int]:
 
 
 def judge(dest: Destination, new_seed: int, old_seed: Optional[int], tally: Tally, trial: str) -> str:
-    latest = retrying(lambda: safestage.latest_complete(dest.parent))
+    latest = retrying(lambda: safestage.latest_complete(dest.run))
     if latest is None:
         tally.wrong.append(f"{trial}: latest_complete found nothing; checkpoint-1 is complete")
         return "wrong"
-    held = generation_of(latest)
-    if latest.name == "checkpoint-2" and held == new_seed:
+    name = str(latest).rstrip("/").rsplit("/", 1)[-1]
+    held = generation_of(dest, name)
+    if name == "checkpoint-2" and held == new_seed:
         return "new"
-    if latest.name == "checkpoint-2" and old_seed is not None and held == old_seed:
+    if name == "checkpoint-2" and old_seed is not None and held == old_seed:
         return "old-kept"
-    if latest.name == "checkpoint-1" and held == GEN_A:
+    if name == "checkpoint-1" and held == GEN_A:
         return "fell-back"
-    tally.wrong.append(f"{trial}: latest_complete named {latest.name}, which holds generation {held}")
+    tally.wrong.append(f"{trial}: latest_complete named {name}, which holds generation {held}")
     return "wrong"
 
 
@@ -288,6 +341,7 @@ def check_leftovers(dest: Destination, run: Run, new_seed: int, tally: Tally) ->
     """Clean the staging root and the checkpoint's directories (the code of `safestage
     clean`); return the phase the kill landed in, read from what it left."""
     checkpoint = dest.parent / "checkpoint-2"
+    landed_bytes = lambda relative: retrying(lambda: dest.read("checkpoint-2", relative))  # noqa: E731
     files = generation(new_seed)
     phase = "completed" if run.done else "before-staging"
     for name in os.listdir(dest.root):
@@ -297,15 +351,14 @@ def check_leftovers(dest: Destination, run: Run, new_seed: int, tally: Tally) ->
         disposable = (dest.root / name / DISPOSABLE_MARKER).exists()
         contents = sorted(os.listdir(dest.root / name))
         if disposable:
-            committed = (checkpoint / COMMIT_NAME).exists() and generation_of(checkpoint) == new_seed
+            committed = dest.exists("checkpoint-2", COMMIT_NAME) and generation_of(dest, "checkpoint-2") == new_seed
             phase = "committed-cleanup" if committed else "writing"
         elif contents:
             phase = "publishing"
             local = dest.root / name / "checkpoint-2"
             for relative, data in files.items():  # every file landed, or is kept, complete
-                landed = checkpoint / relative
                 kept = local / relative
-                assert (kept.exists() and kept.read_bytes() == data) or retrying(landed.read_bytes) == data, relative
+                assert (kept.exists() and kept.read_bytes() == data) or landed_bytes(relative) == data, relative
         else:
             phase = "before-staging"  # killed between mkdir and the marker
     report = clean(dest.root)
@@ -318,7 +371,7 @@ def check_leftovers(dest: Destination, run: Run, new_seed: int, tally: Tally) ->
         else:
             tally.removed += 1
     assert os.listdir(dest.root) == []
-    if checkpoint.exists():  # `safestage clean RUN`: into every checkpoint, subdirectories too
+    if dest.url is None and checkpoint.exists():  # `safestage clean RUN`: into every checkpoint, subdirectories too
         for entry in retrying(lambda: clean(dest.parent, recursive=True)):
             assert entry.kind == "temp" and entry.action == "removed", entry
             tally.removed += 1
@@ -370,9 +423,10 @@ def test_sigkill_during_a_commit_never_misleads_latest_complete(
     kit_mounts: dict[str, Any],
     real_mounts: dict[str, Any],
     suite_settings: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     trials = trials_for(kind, suite_settings)
-    dest = make_destination(kind, tmp_path, kit_mounts, real_mounts)
+    dest = make_destination(kind, tmp_path, kit_mounts, real_mounts, monkeypatch)
     tally = SUMMARY.setdefault(kind, Tally())
     planner = KillPlanner(f"ckpt-crash-{kind}")
     try:
@@ -382,7 +436,7 @@ def test_sigkill_during_a_commit_never_misleads_latest_complete(
             assert run.done is not None
             planner.observe(run.done)
             assert judge(dest, 100 + index, None, tally, "calibration") == "new", tally.wrong
-            remove_checkpoint(dest, "checkpoint-2")
+            dest.remove("checkpoint-2")
         b, c = statistics.median(planner.block), statistics.median(planner.commit)
         tally.timing = f"a run takes ~{(b + c) * 1e3:.0f} ms (block {b * 1e3:.0f} ms, commit {c * 1e3:.0f} ms)"
         for index in range(trials + EXTRA_TRIALS):
@@ -408,10 +462,11 @@ def test_sigkill_during_a_commit_never_misleads_latest_complete(
             outcome = judge(dest, new_seed, old_seed, tally, trial)
             tally.outcomes[outcome] += 1
             tally.phases[check_leftovers(dest, run, new_seed, tally)] += 1
-            remove_checkpoint(dest, "checkpoint-2")
+            dest.remove("checkpoint-2")
     finally:
         print(f"\n{kind}:\n{summary_table()}")
-        shutil.rmtree(dest.backing or dest.parent, ignore_errors=True)
+        if dest.url is None:
+            shutil.rmtree(dest.backing or dest.parent, ignore_errors=True)
     assert not tally.wrong, "\n".join(tally.wrong)
     assert sum(tally.outcomes.values()) >= trials
     # The kills must have spread over the commit, or this proves little.
