@@ -103,3 +103,23 @@ def test_a_commit_object_failing_with_500_is_absent_and_said(
     error = raised.value
     assert error.errno == errno.EIO and COMMIT_NAME in str(error) and "not complete" in str(error), error
     assert store_bucket.objects() == ["run/checkpoint-4/config.json"]
+
+
+@pytest.mark.regression("issue 31: a created commit object whose answer is lost was taken for another writer's")
+def test_a_commit_object_that_landed_but_whose_answer_was_lost_is_a_commit(
+    store_bucket: StoreBucket, store_proxy: FaultProxy, root: Path
+) -> None:
+    """The store creates the commit object, the network loses its answer: obstore's retry meets
+    the object (412), or the save sees the lost answer. It is this commit's own object, so the
+    checkpoint is committed and complete, never refused as "another writer"."""
+    dest = f"{store_bucket.url}/run/checkpoint-5"
+    fault = store_proxy.lose_answer(method="PUT", path=COMMIT_NAME)
+    with safestage.staged_dir(dest, root) as local:
+        (local / "config.json").write_text('{"mine": true}')
+    assert fault.fired == 1
+    puts = store_proxy.requests(method="PUT", path=COMMIT_NAME)
+    assert puts[0].fault == "answer lost", puts
+    assert store_bucket.objects() == ["run/checkpoint-5/_SAFESTAGE_COMMIT.json", "run/checkpoint-5/config.json"]
+    result = safestage.verify(dest)
+    assert result.complete, result
+    assert str(safestage.latest_complete(f"{store_bucket.url}/run")) == dest

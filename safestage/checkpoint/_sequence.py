@@ -997,6 +997,13 @@ def _create_object(target: ObjectURL, data: bytes) -> Published:
     try:
         etag = _object_store.put_bytes(target, data, create=True)
     except _object_store.StoreError as exc:
+        # A create whose answer was lost may have landed: the client's retry then meets it
+        # (412), or the error is the lost answer itself. This commit's own object, byte for
+        # byte, is this commit done, never "another writer".
+        landed = _own_object(target, data)
+        if landed is not None:
+            log.info("safestage: %s had landed although its request failed (%s): committed", target, exc)
+            return Published("upload", len(data), time.perf_counter() - started, None, landed)
         if exc.errno == errno.EEXIST:
             raise PublishError(
                 errno.EEXIST,
@@ -1010,6 +1017,18 @@ def _create_object(target: ObjectURL, data: bytes) -> Published:
             ) from exc
         raise
     return Published("upload", len(data), time.perf_counter() - started, None, etag)
+
+
+def _own_object(target: ObjectURL, data: bytes) -> Optional[str]:
+    """The ETag of ``target`` if it holds exactly ``data`` (None: not there, another's, or the
+    store cannot say now)."""
+    try:
+        found = _object_store.get(target, limit=len(data))
+    except OSError:
+        return None
+    if found is None or found[0] != data:
+        return None
+    return found[1].etag or ""
 
 
 def invalidate(dest: Path, *, fsync: bool, vouching: tuple[str, ...] = ()) -> bool:

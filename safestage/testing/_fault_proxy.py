@@ -10,6 +10,7 @@ came, Host header included (a SigV4 signature covers it), and can instead::
         proxy.reset(method="PUT", query="partNumber", after_bytes=1 << 20)   # read 1 MiB, then RST
         proxy.fail(412, method="PUT", path="_SAFESTAGE_COMMIT.json")  # a conditional create refused
         proxy.delay(0.5, method="GET")                                # a slow store
+        proxy.lose_answer(method="PUT", path="_SAFESTAGE_COMMIT.json")  # done, answer lost
         ...
         assert proxy.count(method="GET", query="list-type") == 1      # one LIST
         assert fault.fired == 2                                       # the fault really fired
@@ -18,7 +19,9 @@ A fault matches a request by method, a query parameter present (``"partNumber"``
 ``"comp=block"`` to match a value too), a substring of the unquoted path, and a request header
 present; each given criterion must hold. ``times``: how many matching requests it takes (None:
 every one from now on). The first live fault that matches wins. A refused request (``fail``,
-``reset``) never reaches the store. Every request is logged (:meth:`requests`), faulted or not.
+``reset``) never reaches the store; a ``lose_answer`` one does, and the store acts on it, but its
+answer never reaches the client (the connection is reset instead): a client that retries then
+meets its own first attempt. Every request is logged (:meth:`requests`), faulted or not.
 
 The request body is read whole before it is forwarded, and the answer too: fine for tests,
 not a production proxy.
@@ -68,7 +71,7 @@ class ProxiedRequest:
 class Fault:
     """A fault armed on the proxy; ``fired`` counts the requests it took."""
 
-    action: str  # "status", "reset", "delay"
+    action: str  # "status", "reset", "delay", "lose"
     method: Optional[str] = None
     query: Optional[str] = None
     path: Optional[str] = None
@@ -106,6 +109,8 @@ class Fault:
             return f"status {self.status}"
         if self.action == "reset":
             return f"reset after {self.after_bytes} bytes"
+        if self.action == "lose":
+            return "answer lost"
         return f"delay {self.seconds} s"
 
 
@@ -177,6 +182,12 @@ class FaultProxy:
               path: Optional[str] = None, header: Optional[str] = None, times: Optional[int] = None) -> Fault:  # fmt: skip
         """Hold matching requests ``seconds`` before forwarding them: a slow store."""
         return self._arm(Fault("delay", method, query, path, header, times, seconds=seconds))
+
+    def lose_answer(self, *, method: Optional[str] = None, query: Optional[str] = None,
+                    path: Optional[str] = None, header: Optional[str] = None, times: Optional[int] = 1) -> Fault:  # fmt: skip
+        """Forward the next matching requests to the store, then reset the connection instead of
+        answering: the store did the work, the client never hears of it."""
+        return self._arm(Fault("lose", method, query, path, header, times))
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -258,6 +269,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer_fault(502)
             return
         record(status, len(body))
+        if fault is not None and fault.action == "lose":
+            self._reset()
+            return
         self.send_response(status)
         for name, value in answer_headers:
             if name.lower() not in _HOP_BY_HOP and (name.lower() != "content-length" or method == "HEAD"):
