@@ -297,3 +297,25 @@ def test_recover_uploads_the_copies_a_failed_job_kept_for_a_url(bucket: str, tmp
     assert load(_object_store.read(url(f"{run}/export/model.safetensors")) or b"")["w"].tolist() == [0, 1, 2, 3]
     assert not any(Path(path).exists() for path in kept)
     assert _cli.main(["recover", str(root)]) == 0 and "no kept copy" in capsys.readouterr().out
+
+
+def test_a_run_resumed_from_an_older_step_sets_the_abandoned_ones_aside_on_a_url(bucket: str, root: Path) -> None:
+    """The timeline on a bucket: checkpoint-3 committed after checkpoint-5 and -7 began from an
+    older step (a resumed run). Both are set aside by a marker object: latest names checkpoint-3,
+    verify says what set them aside, keep= neither counts nor removes them, and a fetch of the
+    run brings checkpoint-3 back."""
+    run = run_of(bucket, root, (1, 5, 7))
+    commit(f"{run}/checkpoint-3", root, 3)
+    assert str(safestage.latest_complete(run)) == f"{run}/checkpoint-3"
+    for step in (5, 7):
+        result = safestage.verify(f"{run}/checkpoint-{step}")
+        assert result.complete and result.set_aside is not None and result.set_aside.by == "checkpoint-3", result
+        assert f"run/checkpoint-{step}/_SAFESTAGE_SET_ASIDE.json" in keys(bucket)
+    assert safestage.verify(f"{run}/checkpoint-1").set_aside is None
+    with safestage.staged_dir(f"{run}/checkpoint-4", root, keep=1) as local:
+        (local / "trainer_state.json").write_text("{}")
+    left = {key.split("/")[1] for key in keys(bucket)}
+    assert left == {"checkpoint-4", "checkpoint-5", "checkpoint-7"}, left  # 1 and 3 pruned, the aside kept
+    commit(f"{run}/checkpoint-7", root, 7)  # the new timeline reaches step 7: replaced, marker gone
+    assert safestage.verify(f"{run}/checkpoint-7").set_aside is None
+    assert str(safestage.latest_complete(run)) == f"{run}/checkpoint-7"

@@ -359,7 +359,7 @@ class Commit:
         """Set aside what this save's run abandoned, then publish the commit file, last."""
         dest = self._opened()[0]
         manifest = new_manifest(entries, empty, version(), self.started)
-        if self.started is not None and isinstance(dest, Path):  # no set-aside on a store yet
+        if self.started is not None:
             _timeline.set_aside(dest, self.started, self._write_marker, resumed=self.resumed)
         self._writing = manifest.encode()
         target = dest / COMMIT_NAME
@@ -400,7 +400,10 @@ class Commit:
         except OSError:
             return False
 
-    def _write_marker(self, target: Path, data: bytes) -> None:
+    def _write_marker(self, target: Destination, data: bytes) -> None:
+        if isinstance(target, ObjectURL):
+            _object_store.put_bytes(target, data)  # a marker may replace a marker: no create
+            return
         self._publish_bytes(data, _STAGED_MARKER, target)
 
     def _publish_bytes(self, data: bytes, name: str, target: Destination) -> Published:

@@ -22,6 +22,12 @@ commit's cost does not grow with the run's earlier checkpoints (benchmarks/commi
 A commit that does not know when its save began (``commit_in_place`` of a directory someone
 wrote) sets nothing aside.
 
+On an object store the same rule holds with the store's means: the siblings are the checkpoint
+prefixes of one paginated LIST of the run (one request per 1,000 objects), a sibling's commit
+object is read (one GET) only if it is of a higher step (a lower one too, for a resumed commit)
+and the listing shows no marker object beside it, and the marker is an object
+``<sibling>/_SAFESTAGE_SET_ASIDE.json``, which the readers of a URL honour as they honour the file.
+
 What a set-aside checkpoint is to the readers: ``verify`` still says complete (its files are
 intact, and it can be loaded by path) and names what set it aside; ``latest_complete`` never
 names it; retention (``keep=``, ``safestage.prune``) neither counts nor removes it (removing the
@@ -50,8 +56,10 @@ import re
 from pathlib import Path
 from typing import Callable, Optional
 
+from .._destination import Destination
 from ._manifest import SET_ASIDE_NAME as MARKER_NAME
-from ._verify import read_commit, set_aside_by
+from ._manifest import Manifest
+from ._verify import Listed, listed_below, read_commit, read_commit_object, set_aside_by
 
 log = logging.getLogger("safestage")
 
@@ -70,7 +78,9 @@ def series(name: str) -> Optional[tuple[str, str, int]]:
     return name[: match.start()], name[match.end() :], int(match[1])
 
 
-def set_aside(dest: Path, started: float, write: Callable[[Path, bytes], None], *, resumed: bool = False) -> list[Path]:
+def set_aside(
+    dest: Destination, started: float, write: Callable[[Destination, bytes], None], *, resumed: bool = False
+) -> list[Destination]:
     """Before ``dest``'s commit file is published (its save began at ``started``): mark what
     this save abandons, with ``write(path, bytes)`` (the commit's own publish), and, for a
     ``resumed`` commit, ``dest`` itself if a later save abandoned it. Never raises: a
@@ -80,12 +90,13 @@ def set_aside(dest: Path, started: float, write: Callable[[Path, bytes], None], 
     if own is None:
         return []
     head, tail, step = own
+    siblings = _Siblings(dest)
     try:
-        names = os.listdir(dest.parent)
+        names = siblings.names()
     except OSError as exc:
         log.debug("cannot look for checkpoints to set aside beside %s: %s", dest, exc)
         return []
-    marked = []
+    marked: list[Destination] = []
     for name in sorted(names):
         other = series(name)
         if other is None or other[:2] != (head, tail) or other[2] == step:
@@ -93,14 +104,14 @@ def set_aside(dest: Path, started: float, write: Callable[[Path, bytes], None], 
         if other[2] < step and not resumed:
             continue  # the run's earlier checkpoints: only a resumed commit asks about them
         sibling = dest.parent / name
-        if sibling.is_symlink():
+        if isinstance(sibling, Path) and sibling.is_symlink():
             continue  # a link may lead into another run: never written through, never followed
-        began = _began(sibling, recorded_only=other[2] < step)
+        began = siblings.began(name, recorded_only=other[2] < step)
         if began is None:
             continue
-        if other[2] > step and began < started and not _marked(sibling):
+        if other[2] > step and began < started and not siblings.marked(name):
             target, by, by_step, abandoned, its_step = sibling, dest.name, step, name, other[2]
-        elif other[2] < step and resumed and began > started and not _marked(dest):
+        elif other[2] < step and resumed and began > started and not siblings.marked(dest.name):
             # This copy's run was abandoned before it could land: it lands set aside.
             target, by, by_step, abandoned, its_step = dest, name, other[2], dest.name, step
         else:
@@ -108,6 +119,38 @@ def set_aside(dest: Path, started: float, write: Callable[[Path, bytes], None], 
         if _mark(target, by, by_step, abandoned, its_step, write):
             marked.append(target)
     return marked
+
+
+class _Siblings:
+    """The checkpoints beside ``dest`` in its run, read as the destination's family reads them:
+    a directory's listing and commit files, or one LIST of a run URL and its commit objects."""
+
+    def __init__(self, dest: Destination) -> None:
+        self.dest = dest
+        self._listed: Optional[dict[str, Listed]] = None
+
+    def names(self) -> list[str]:
+        if isinstance(self.dest, Path):
+            return os.listdir(self.dest.parent)
+        below: dict[str, Listed] = {}
+        for path, info in listed_below(self.dest.parent).items():
+            name, slash, rest = path.partition("/")
+            if slash and rest:  # an object directly in the run is no checkpoint
+                below.setdefault(name, {})[rest] = info
+        self._listed = below
+        return list(below)
+
+    def began(self, name: str, *, recorded_only: bool) -> Optional[float]:
+        if isinstance(self.dest, Path):
+            return _began(self.dest.parent / name, recorded_only=recorded_only)
+        listed = (self._listed or {}).get(name, {})
+        manifest, _, mtime = read_commit_object(self.dest.parent / name, listed)
+        return _began_of(manifest, mtime, recorded_only=recorded_only)
+
+    def marked(self, name: str) -> bool:
+        if isinstance(self.dest, Path):
+            return _marked(self.dest.parent / name)
+        return MARKER_NAME in (self._listed or {}).get(name, {})
 
 
 def _marked(directory: Path) -> bool:
@@ -125,6 +168,10 @@ def _began(directory: Path, *, recorded_only: bool) -> Optional[float]:
     a commit's cost must not grow with the checkpoints beside it (a rollback is a matter of
     when saves began, and a torn sibling is never named by latest_complete anyway)."""
     manifest, _, mtime = read_commit(directory)
+    return _began_of(manifest, mtime, recorded_only=recorded_only)
+
+
+def _began_of(manifest: Optional[Manifest], mtime: float, *, recorded_only: bool) -> Optional[float]:
     if manifest is None:
         return None
     for text in (manifest.started_at, "" if recorded_only else manifest.committed_at):
@@ -136,7 +183,9 @@ def _began(directory: Path, *, recorded_only: bool) -> Optional[float]:
     return None if recorded_only else mtime
 
 
-def _mark(target: Path, by: str, by_step: int, name: str, step: int, write: Callable[[Path, bytes], None]) -> bool:
+def _mark(
+    target: Destination, by: str, by_step: int, name: str, step: int, write: Callable[[Destination, bytes], None]
+) -> bool:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     document = {"format": FORMAT, "version": VERSION, "by": by, "at": now,
                 "why": f"{by} (step {by_step}) began after {name} (step {step}) had: a run resumed from an "
