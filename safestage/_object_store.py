@@ -110,15 +110,11 @@ def configure_store(url: str, storage_options: Optional[Mapping[str, Any]]) -> N
     configure(parsed, storage_options)
 
 
-def _store(url: ObjectURL) -> Any:
-    key = (url.scheme, url.bucket)
-    with _lock:
-        store = _stores.get(key)
-        if store is not None:
-            return store
-        options = dict(_options.get(key, {}))
+def _obstore(url: ObjectURL) -> None:
+    """Import obstore (here, at first use), or raise a StoreError saying what to install: before
+    anything is sent, so that a save keeps its staged copy and says what to do."""
     try:
-        from obstore.store import from_url
+        import obstore.store  # noqa: F401 - the check
     except ImportError as exc:
         raise StoreError(
             errno.ENOPKG if hasattr(errno, "ENOPKG") else errno.ENOENT,
@@ -126,6 +122,17 @@ def _store(url: ObjectURL) -> Any:
             f"pip install 'safestage[{SCHEMES[url.scheme]}]' (Python 3.11 or newer).",
             str(url),
         ) from exc
+
+
+def _store(url: ObjectURL) -> Any:
+    key = (url.scheme, url.bucket)
+    with _lock:
+        store = _stores.get(key)
+        if store is not None:
+            return store
+        options = dict(_options.get(key, {}))
+    _obstore(url)
+    from obstore.store import from_url
     client_options = options.pop("client_options", None)
     retry_config = options.pop("retry_config", None)
     try:
@@ -151,6 +158,7 @@ def upload(staged: Path, url: ObjectURL, digest: Optional[Any] = None) -> Upload
     """Stream ``staged`` to ``url``: one PUT for a small file, a parallel multipart upload for a
     large one (aborted by obstore on any failure, so that nothing of it is published).
     ``digest``: fed every byte uploaded, in order; its ``update`` may raise to cancel."""
+    _obstore(url)  # what to install, where it is missing
     import obstore
 
     started = time.perf_counter()
@@ -202,6 +210,7 @@ def upload(staged: Path, url: ObjectURL, digest: Optional[Any] = None) -> Upload
 def put_bytes(url: ObjectURL, data: bytes, *, create: bool = False) -> Optional[str]:
     """Put ``data`` at ``url`` in one request; ``create``: only if nothing is there (raises a
     StoreError with EEXIST otherwise). Returns the new object's ETag."""
+    _obstore(url)  # what to install, where it is missing
     import obstore
 
     try:
@@ -223,6 +232,7 @@ def read(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[bytes]:
 def get(url: ObjectURL, *, limit: Optional[int] = None) -> Optional[tuple[bytes, ObjectInfo]]:
     """The bytes of ``url`` and what the store says of it (one GET), None if there is no such
     object. ``limit``: refuse a larger one (EFBIG)."""
+    _obstore(url)  # what to install, where it is missing
     import obstore
 
     try:
@@ -246,6 +256,7 @@ def chunks(url: ObjectURL, *, etag: Optional[str] = None, chunk: int = PART_BYTE
     the client holds one piece at a time, never the object. ``etag``: only the object of that
     ETag (If-Match); another one there now (overwritten since it was listed) raises a
     StoreError with ESTALE, and a missing one ENOENT."""
+    _obstore(url)  # what to install, where it is missing
     import obstore
 
     try:
@@ -263,6 +274,7 @@ def chunks(url: ObjectURL, *, etag: Optional[str] = None, chunk: int = PART_BYTE
 
 def read_range(url: ObjectURL, start: int, length: int) -> bytes:
     """``length`` bytes of ``url`` from ``start`` (one ranged GET)."""
+    _obstore(url)  # what to install, where it is missing
     import obstore
 
     try:
@@ -289,6 +301,7 @@ def download(
     flight, each streamed in pieces of ``PIECE_BYTES``: the client holds about ``at_once``
     pieces, never a range or the object. Raises StoreError: ENOENT no such object; ESTALE
     another object is there now (overwritten since the ETag or size was recorded)."""
+    _obstore(url)  # what to install, where it is missing
     import obstore
 
     store = _store(url)
@@ -384,6 +397,7 @@ def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
 
 def head(url: ObjectURL) -> Optional[ObjectInfo]:
     """What the store says of ``url``, None if there is no such object."""
+    _obstore(url)  # what to install, where it is missing
     import obstore
 
     try:
@@ -401,6 +415,7 @@ def listing(url: ObjectURL, *, pages: Optional[list[int]] = None) -> list[Object
     """Every object below ``url`` (its prefix), in key order, over as many LIST requests as the
     store pages them (S3: 1,000 keys a request). ``pages``: appended the size of each batch
     obstore hands back (``PAGE`` at most), which is not a request."""
+    _obstore(url)  # what to install, where it is missing
     import obstore
 
     found: list[ObjectInfo] = []
@@ -420,10 +435,10 @@ def listing(url: ObjectURL, *, pages: Optional[list[int]] = None) -> list[Object
 def delete(urls: list[ObjectURL]) -> None:
     """Delete every object of ``urls`` (one bucket), in batched requests where the store has
     them (S3: 1,000 a request; Azure: 256). A missing object is no error."""
-    import obstore
-
     if not urls:
         return
+    _obstore(urls[0])  # what to install, where it is missing
+    import obstore
     try:
         obstore.delete(_store(urls[0]), [url.key for url in urls])
     except FileNotFoundError:

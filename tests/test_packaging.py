@@ -113,3 +113,44 @@ def test_doctor_without_numpy_names_the_module_not_the_destination(venv_without_
     assert "unsafe" not in result.stdout and "staging is not possible" not in result.stdout
     assert "Traceback" not in result.stderr
     assert os.listdir(hdfs_dir) == []  # the probe directory is gone
+
+
+SAVE_TO_BUCKET = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from safetensors.torch import load, save_file
+    import safestage
+    from safestage import _object_store, _destination
+
+    url = sys.argv[1]
+    with safestage.staged():
+        save_file({"weight": torch.arange(16.0)}, url)
+    back = load(_object_store.read(_destination.url_of(url)))
+    assert torch.equal(back["weight"], torch.arange(16.0))
+    print("landed", url)
+    """
+)
+
+
+def test_the_s3_extra_and_the_aws_variables_are_all_a_fresh_venv_needs_to_save_to_a_bucket(
+    fresh_venv, safestage_wheel, tmp_path, monkeypatch
+):
+    """Without the extra, a URL save says what to install; with `pip install 'safestage[s3]'`
+    and the standard AWS variables (a local S3 server here), it lands."""
+    from _stores import new_bucket
+
+    bucket = new_bucket(monkeypatch, "fresh")
+    python = fresh_venv / "bin" / "python"
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_TO_BUCKET)
+    url = f"s3://{bucket}/run/model.safetensors"
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    before = run([str(python), str(script), url], tmp_path, timeout=300, TMPDIR=str(tmp_path), **aws)
+    assert before.returncode != 0 and "pip install 'safestage[s3]'" in before.stderr, before.stderr[-2000:]
+    install = run([str(python), "-m", "pip", "install", "-q", "--no-compile", "-c", str(CONSTRAINTS),
+                   "-c", str(ROOT / ".ci" / "constraints-stores.txt"), f"{safestage_wheel}[s3]"], tmp_path)  # fmt: skip
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    after = run([str(python), str(script), url], tmp_path, timeout=300, TMPDIR=str(tmp_path), **aws)
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert after.stdout.split() == ["landed", url]
