@@ -83,6 +83,11 @@ class StoreError(PublishError):
 _options: dict[tuple[str, str], dict[str, Any]] = {}
 _stores: dict[tuple[str, str], Any] = {}
 _lock = threading.Lock()
+# The process that made the first client. obstore runs every request on one tokio runtime per
+# process, started then and never restarted: in a child forked after that, the runtime's
+# threads are gone and any request waits forever (tokio#4301; obstore is not fork-safe,
+# developmentseed/obstore#441). By pid, so that a grandchild is refused too.
+_client_pid: Optional[int] = None
 
 
 def configure(url: ObjectURL, options: Optional[Mapping[str, Any]]) -> None:
@@ -111,8 +116,19 @@ def configure_store(url: str, storage_options: Optional[Mapping[str, Any]]) -> N
 
 
 def _store(url: ObjectURL) -> Any:
+    global _client_pid
+    if _client_pid is not None and _client_pid != os.getpid():
+        raise StoreError(
+            errno.EOPNOTSUPP,
+            f"safestage cannot reach {url} from this process: it was forked from one that had "
+            "already used an object store, and obstore's requests never return in such a child "
+            "(its runtime's threads are not forked). Save to a URL from the parent, or start the "
+            "worker with multiprocessing's 'spawn' or 'forkserver' start method.",
+            str(url),
+        )
     key = (url.scheme, url.bucket)
     with _lock:
+        _client_pid = os.getpid()
         store = _stores.get(key)
         if store is not None:
             return store

@@ -1,0 +1,65 @@
+"""Promises of the object-store family under conditions a job meets and a happy path never does:
+a child forked after the parent reached a bucket, a store that refuses a listing (403), no
+credentials at all.
+
+Each test runs against a real local server (``store_bucket``), faults through the kit's
+FaultProxy, and asserts that its fault fired.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import select
+from pathlib import Path
+
+import pytest
+
+import safestage
+from safestage.testing import StoreBucket
+
+
+def commit(url: str, root: Path, files: dict[str, bytes]) -> None:
+    with safestage.staged_dir(url, root) as local:
+        for name, data in files.items():
+            (local / name).write_bytes(data)
+
+
+@pytest.mark.stores("moto", why="the fork is the client's (obstore's runtime), the same for every store")
+@pytest.mark.regression("issue 31: a child forked after a URL save hung forever in obstore")
+def test_a_save_to_a_url_in_a_child_forked_during_a_background_save_fails_at_once_and_says_why(
+    store_bucket: StoreBucket, root: Path
+) -> None:
+    run = f"{store_bucket.url}/run"
+    commit(f"{run}/checkpoint-1", root, {"a.bin": b"1"})
+    reader, writer = os.pipe()
+    with safestage.staged_dir(f"{run}/checkpoint-2", root, background=True) as local:
+        (local / "a.bin").write_bytes(b"2" * (24 << 20))  # three parts: still uploading at fork()
+    pid = os.fork()
+    if pid == 0:  # the child: a save of its own, to the same run
+        os.close(reader)
+        try:
+            commit(f"{run}/checkpoint-3", root, {"c.bin": b"3"})
+            said = {"errno": None, "message": "committed"}
+        except OSError as exc:
+            said = {"errno": exc.errno, "message": str(exc)}
+        except BaseException as exc:
+            said = {"errno": None, "message": repr(exc)}
+        os.write(writer, json.dumps(said).encode())
+        os._exit(0)
+    os.close(writer)
+    try:
+        ready, _, _ = select.select([reader], [], [], 30)
+        hung = not ready
+        said = json.loads(os.read(reader, 1 << 16) or b"{}") if ready else {}
+    finally:
+        os.close(reader)
+        if hung:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert not hung, "the forked child's save to a URL never returned"
+    assert said["errno"] == errno.EOPNOTSUPP and "fork" in said["message"], said
+    safestage.wait()  # the parent's background save lands, untouched by the child
+    assert str(safestage.latest_complete(run)) == f"{run}/checkpoint-2"
+    assert not [key for key in store_bucket.objects() if "checkpoint-3" in key]
