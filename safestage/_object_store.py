@@ -483,6 +483,14 @@ _OBSTORE_BUILTINS = {"FileNotFoundError", "PermissionError", "FileExistsError", 
                      "ConnectionError", "TimeoutError", "ValueError"}  # fmt: skip
 
 _NO_BUCKET = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist")
+# obstore reports a refused LIST (and other requests it has no error kind for) as a generic
+# error carrying the HTTP status; and a client with no credentials at all (none in the
+# environment or storage_options, and no instance metadata service: a host off the cloud) as a
+# failed request to the credential service's well-known path (EC2's IMDS, GCE's metadata
+# server, Azure's managed identity endpoint). Both are the credentials' fault, never retried.
+_REFUSED = re.compile(r"non-2xx status code: 40[13]\b")
+_CREDENTIAL_SERVICE = re.compile(r"Error performing \w+ \S*(/latest/api/token|/latest/meta-data/iam/|"
+                                 r"/computeMetadata/|/metadata/identity/oauth2/token)")  # fmt: skip
 
 _ERRNO_BY_NAME = {
     "NotFoundError": errno.ENOENT,
@@ -528,6 +536,8 @@ def _error(exc: BaseException, url: ObjectURL, operation: str) -> StoreError:
     code = _ERRNO_BY_NAME.get(type(exc).__name__, errno.EIO)
     if code == errno.EIO and any(word in str(exc) for word in _NO_BUCKET):
         code = errno.ENOENT  # obstore reports a missing bucket as a generic error (S3: a 404)
+    elif code == errno.EIO and (_REFUSED.search(str(exc)) or _CREDENTIAL_SERVICE.search(str(exc))):
+        code = errno.EACCES
     advice = {
         errno.EACCES: "check the credentials (AWS_ACCESS_KEY_ID / GOOGLE_APPLICATION_CREDENTIALS / "
         "AZURE_STORAGE_ACCOUNT_KEY or storage_options) and the bucket's policy",

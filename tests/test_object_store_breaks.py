@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 import safestage
-from safestage.testing import StoreBucket
+from safestage import _object_store
+from safestage.testing import FaultProxy, StoreBucket
 
 
 def commit(url: str, root: Path, files: dict[str, bytes]) -> None:
@@ -63,3 +64,34 @@ def test_a_save_to_a_url_in_a_child_forked_during_a_background_save_fails_at_onc
     safestage.wait()  # the parent's background save lands, untouched by the child
     assert str(safestage.latest_complete(run)) == f"{run}/checkpoint-2"
     assert not [key for key in store_bucket.objects() if "checkpoint-3" in key]
+
+
+@pytest.mark.regression("issue 31: a refused LIST was EIO, 'the save can be retried'")
+def test_a_listing_the_store_refuses_is_eacces_and_says_to_check_the_credentials(
+    store_bucket: StoreBucket, store_proxy: FaultProxy, root: Path
+) -> None:
+    run = f"{store_bucket.url}/run"
+    fault = store_proxy.fail(403, method="GET", times=None)
+    with pytest.raises(_object_store.StoreError) as raised:
+        safestage.latest_complete(run)
+    assert fault.fired >= 1
+    error = raised.value
+    assert error.errno == errno.EACCES and "credentials" in str(error) and run in str(error), error
+
+
+@pytest.mark.stores("moto", "seaweedfs", why="the instance metadata service is S3's (AWS_METADATA_ENDPOINT)")
+@pytest.mark.regression("issue 31: no credentials at all was EIO, 'the save can be retried'")
+def test_no_credentials_at_all_is_eacces_and_says_which_variables_to_set(
+    store_bucket: StoreBucket, store_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No key in the environment: obstore asks the instance metadata service (EC2's), here the
+    # proxy, which has none to give (a host that is not on EC2).
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", store_proxy.endpoint)
+    fault = store_proxy.fail(404, path="/latest/", times=None)
+    with pytest.raises(_object_store.StoreError) as raised:
+        safestage.latest_complete(f"{store_bucket.url}/run")
+    assert fault.fired >= 1
+    error = raised.value
+    assert error.errno == errno.EACCES and "AWS_ACCESS_KEY_ID" in str(error), error
