@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import safestage
-from safestage import _object_store
+from safestage import COMMIT_NAME, _object_store
 from safestage.testing import FaultProxy, StoreBucket
 
 
@@ -95,3 +95,18 @@ def test_no_credentials_at_all_is_eacces_and_says_which_variables_to_set(
     assert fault.fired >= 1
     error = raised.value
     assert error.errno == errno.EACCES and "AWS_ACCESS_KEY_ID" in str(error), error
+
+
+@pytest.mark.regression("issue 31: a retried commit object refused by its own first try was 'another writer'")
+def test_a_commit_object_whose_first_put_landed_unanswered_is_this_writers_and_the_commit_succeeds(
+    store_bucket: StoreBucket, store_proxy: FaultProxy, root: Path
+) -> None:
+    # The store creates the commit object and answers 500 (S3's InternalError may come after
+    # the write): obstore retries the PUT, whose If-None-Match: * now finds it there.
+    run = f"{store_bucket.url}/run"
+    fault = store_proxy.fail(500, method="PUT", path=COMMIT_NAME, forward=True)
+    commit(f"{run}/checkpoint-1", root, {"a.bin": b"a"})
+    assert fault.fired == 1
+    first, again = [r.status for r in store_proxy.requests(method="PUT", path=COMMIT_NAME)]
+    assert first == 500 and again in (409, 412), (first, again)  # Azure: 409 BlobAlreadyExists
+    assert safestage.verify(f"{run}/checkpoint-1").complete

@@ -998,6 +998,14 @@ def _create_object(target: ObjectURL, data: bytes) -> Published:
         etag = _object_store.put_bytes(target, data, create=True)
     except _object_store.StoreError as exc:
         if exc.errno == errno.EEXIST:
+            # A store may create the object and then fail to answer (a 500, a lost answer):
+            # obstore's retry then finds it there. Ours if it holds these very bytes.
+            try:
+                there = _object_store.get(target, limit=len(data))
+            except OSError:
+                there = None
+            if there is not None and there[0] == data:
+                return Published("upload", len(data), time.perf_counter() - started, None, there[1].etag)
             raise PublishError(
                 errno.EEXIST,
                 f"safestage: {target} was created by another writer while this one committed "
