@@ -86,6 +86,11 @@ _options: dict[tuple[str, str], dict[str, Any]] = {}
 _stores: dict[tuple[str, str], Any] = {}
 _lock = threading.Lock()
 _one_multipart = threading.Lock()
+# The process that made the first client. obstore runs every request on one tokio runtime per
+# process, started then and never restarted: in a child forked after that, the runtime's
+# threads are gone and any request waits forever (tokio#4301; obstore is not fork-safe,
+# developmentseed/obstore#441). By pid, so that a grandchild is refused too.
+_client_pid: Optional[int] = None
 
 
 def configure(url: ObjectURL, options: Optional[Mapping[str, Any]]) -> None:
@@ -128,8 +133,19 @@ def _obstore(url: ObjectURL) -> None:
 
 
 def _store(url: ObjectURL) -> Any:
+    global _client_pid
+    if _client_pid is not None and _client_pid != os.getpid():
+        raise StoreError(
+            errno.EOPNOTSUPP,
+            f"safestage cannot reach {url} from this process: it was forked from one that had "
+            "already used an object store, and obstore's requests never return in such a child "
+            "(its runtime's threads are not forked). Save to a URL from the parent, or start the "
+            "worker with multiprocessing's 'spawn' or 'forkserver' start method.",
+            str(url),
+        )
     key = (url.scheme, url.bucket)
     with _lock:
+        _client_pid = os.getpid()
         store = _stores.get(key)
         if store is not None:
             return store
@@ -511,6 +527,14 @@ _OBSTORE_BUILTINS = {"FileNotFoundError", "PermissionError", "FileExistsError", 
                      "ConnectionError", "TimeoutError", "ValueError"}  # fmt: skip
 
 _NO_BUCKET = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist")
+# obstore reports a refused LIST (and other requests it has no error kind for) as a generic
+# error carrying the HTTP status; and a client with no credentials at all (none in the
+# environment or storage_options, and no instance metadata service: a host off the cloud) as a
+# failed request to the credential service's well-known path (EC2's IMDS, GCE's metadata
+# server, Azure's managed identity endpoint). Both are the credentials' fault, never retried.
+_REFUSED = re.compile(r"non-2xx status code: 40[13]\b")
+_CREDENTIAL_SERVICE = re.compile(r"Error performing \w+ \S*(/latest/api/token|/latest/meta-data/iam/|"
+                                 r"/computeMetadata/|/metadata/identity/oauth2/token)")  # fmt: skip
 
 _ERRNO_BY_NAME = {
     "NotFoundError": errno.ENOENT,
@@ -556,6 +580,8 @@ def _error(exc: BaseException, url: ObjectURL, operation: str) -> StoreError:
     code = _ERRNO_BY_NAME.get(type(exc).__name__, errno.EIO)
     if code == errno.EIO and any(word in str(exc) for word in _NO_BUCKET):
         code = errno.ENOENT  # obstore reports a missing bucket as a generic error (S3: a 404)
+    elif code == errno.EIO and (_REFUSED.search(str(exc)) or _CREDENTIAL_SERVICE.search(str(exc))):
+        code = errno.EACCES
     advice = {
         errno.EACCES: "check the credentials (AWS_ACCESS_KEY_ID / GOOGLE_APPLICATION_CREDENTIALS / "
         "AZURE_STORAGE_ACCOUNT_KEY or storage_options) and the bucket's policy",

@@ -1000,9 +1000,10 @@ def _create_object(target: ObjectURL, data: bytes) -> Published:
     try:
         etag = _object_store.put_bytes(target, data, create=True)
     except _object_store.StoreError as exc:
-        # A create whose answer was lost may have landed: the client's retry then meets it
-        # (412), or the error is the lost answer itself. This commit's own object, byte for
-        # byte, is this commit done, never "another writer".
+        # A create the store did but whose answer was lost or failed (a 500, a reset) may have
+        # landed: obstore's retry then meets it (412; 409 on Azure), or the error is the lost
+        # answer itself. This commit's own object, byte for byte, is this commit done, never
+        # "another writer".
         landed = _own_object(target, data)
         if landed is not None:
             log.info("safestage: %s had landed although its request failed (%s): committed", target, exc)

@@ -9,6 +9,7 @@ came, Host header included (a SigV4 signature covers it), and can instead::
         proxy.fail(503, method="PUT", query="partNumber", times=2)   # the next 2 UploadParts: 503
         proxy.reset(method="PUT", query="partNumber", after_bytes=1 << 20)   # read 1 MiB, then RST
         proxy.fail(412, method="PUT", path="_SAFESTAGE_COMMIT.json")  # a conditional create refused
+        proxy.fail(500, method="PUT", forward=True)   # done by the store, then answered 500
         proxy.delay(0.5, method="GET")                                # a slow store
         proxy.lose_answer(method="PUT", path="_SAFESTAGE_COMMIT.json")  # done, answer lost
         ...
@@ -80,6 +81,7 @@ class Fault:
     status: int = 0
     after_bytes: int = 0
     seconds: float = 0.0
+    forward: bool = False  # a status fault: the store got the request (its answer lost)
     fired: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -167,10 +169,12 @@ class FaultProxy:
     # -- faults --------------------------------------------------------------------------------
 
     def fail(self, status: int, *, method: Optional[str] = None, query: Optional[str] = None,
-             path: Optional[str] = None, header: Optional[str] = None, times: Optional[int] = 1) -> Fault:  # fmt: skip
+             path: Optional[str] = None, header: Optional[str] = None, times: Optional[int] = 1,
+             forward: bool = False) -> Fault:  # fmt: skip
         """Answer ``status`` (500, 503, 412...) to the next ``times`` matching requests,
-        without forwarding them."""
-        return self._arm(Fault("status", method, query, path, header, times, status=status))
+        without forwarding them; ``forward``: after the store has done each (its own answer
+        dropped), as a store that applies a request and then fails to answer it."""
+        return self._arm(Fault("status", method, query, path, header, times, status=status, forward=forward))
 
     def reset(self, *, method: Optional[str] = None, query: Optional[str] = None, path: Optional[str] = None,
               header: Optional[str] = None, after_bytes: int = 0, times: Optional[int] = 1) -> Fault:  # fmt: skip
@@ -256,6 +260,9 @@ class _Handler(BaseHTTPRequestHandler):
         # Each request is logged before its answer is sent: a client that has its answer finds
         # its request in the log.
         if fault is not None and fault.action == "status":
+            if fault.forward:
+                with contextlib.suppress(OSError, http.client.HTTPException):
+                    self._forward(method, body)
             record(fault.status, len(body))
             self._answer_fault(fault.status)
             return
