@@ -9,6 +9,7 @@ asserts that its fault fired.
 from __future__ import annotations
 
 import datetime
+import time
 import errno
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,3 +124,28 @@ def test_a_commit_object_that_landed_but_whose_answer_was_lost_is_a_commit(
     result = safestage.verify(dest)
     assert result.complete, result
     assert str(safestage.latest_complete(f"{store_bucket.url}/run")) == dest
+
+
+@pytest.mark.stores("moto", why="the client's timeout against one store's slow answer shows it; the message is the store's family's")
+def test_a_commit_object_put_that_times_out_says_its_outcome_is_the_stores_to_tell(
+    store_bucket: StoreBucket, store_proxy: FaultProxy, root: Path
+) -> None:
+    """The store holds the commit object's PUT past the client's timeout, then completes it: the
+    error must not claim the checkpoint is not complete; it says verify tells, and verify does."""
+    dest = f"{store_bucket.url}/run/checkpoint-6"
+    bucket = ObjectURL(store_bucket.server.scheme, store_bucket.name, "")
+    _object_store.configure(bucket, {"client_options": {"timeout": "1s", "allow_http": True},
+                                     "retry_config": {"max_retries": 0}})  # fmt: skip
+    slow = store_proxy.delay(1.6, method="PUT", path=COMMIT_NAME, times=1)
+    try:
+        with pytest.raises(safestage.PublishError) as raised, safestage.staged_dir(dest, root) as local:
+            (local / "config.json").write_text("{}")
+    finally:
+        _object_store.configure(bucket, None)
+    assert slow.fired == 1
+    message = str(raised.value)
+    assert "verify says which" in message and "is therefore not complete" not in message, message
+    deadline = time.monotonic() + 10
+    while not safestage.verify(dest).complete and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert safestage.verify(dest).complete  # the store did complete it

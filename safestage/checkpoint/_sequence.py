@@ -367,12 +367,19 @@ class Commit:
             result = self._publish_bytes(self._writing, _STAGED_COMMIT, target)
         except OSError as exc:
             landed = tuple(sorted(entry.path for entry in entries))
+            if isinstance(dest, ObjectURL) and exc.errno != errno.EEXIST:
+                # A request the store received before a timeout or a cut may still complete:
+                # the outcome is the store's to tell, not this error's.
+                outcome = (f"{dest} is not complete unless the store still completes a request it "
+                           "received before the error: verify says which. If not, commit again")  # fmt: skip
+            else:
+                outcome = (f"{dest} is therefore not complete"
+                           f"{_previous(self.removed_commit, ' (the previous commit file was removed first)')} "
+                           "(verify and latest_complete say so). Commit again")  # fmt: skip
             raise PublishError(
                 exc.errno,
                 f"safestage could not commit {dest}: all {len(landed)} files landed, but the "
-                f"commit file {COMMIT_NAME} could not be written ({exc}). {dest} is therefore "
-                f"not complete{_previous(self.removed_commit, ' (the previous commit file was removed first)')} "
-                f"(verify and latest_complete say so). Commit again"
+                f"commit file {COMMIT_NAME} could not be written ({exc}). {outcome}"
                 + (f"; the local copy is kept at {self.local}." if self.local is not None else "."),
                 str(target),
                 staged_path=None if self.local is None else str(self.local),
