@@ -237,10 +237,9 @@ def _store_bucket(kind: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     bucket.delete()  # straight to the server, never through a test's proxy
 
 
-# The kinds obstore can save to. Not fake-gcs: fake-gcs-server serves GCS's JSON API, and
-# obstore (Rust object_store) writes through GCS's XML API, which fake-gcs-server answers only
-# for signed URLs ("invalid uploadType"): no gs:// save can land on it (docs/testing-kit.md).
-SAVING_KINDS = tuple(kind for kind in STORE_KINDS if kind != "fake-gcs")
+# The kinds obstore can save to: every kind (fake-gcs through the kit's XML front,
+# safestage/testing/_gcs_front.py).
+SAVING_KINDS = STORE_KINDS
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -257,7 +256,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture
 def store_bucket(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A fresh bucket on each kind of local object store obstore saves to (moto, seaweedfs,
-    Azurite), the store's environment set for obstore: ``bucket.url`` is where to save."""
+    Azurite, fake-gcs), the store's environment set for obstore: ``bucket.url`` is where to save."""
     yield from _store_bucket(request.param, monkeypatch)
 
 

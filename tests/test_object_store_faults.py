@@ -24,8 +24,11 @@ from safestage import COMMIT_NAME, _object_store
 from safestage._destination import ObjectURL
 from safestage.testing import FaultProxy, StoreBucket
 
-# A part of an upload in parts: S3's UploadPart (PUT ?partNumber=&uploadId=), Azure's Put Block.
-PARTS = {"s3": {"method": "PUT", "query": "partNumber"}, "az": {"method": "PUT", "query": "comp=block"}}
+# A part of an upload in parts: S3's and GCS's UploadPart (PUT ?partNumber=&uploadId=), Azure's Put Block.
+PARTS = {"s3": {"method": "PUT", "query": "partNumber"}, "gs": {"method": "PUT", "query": "partNumber"},
+         "az": {"method": "PUT", "query": "comp=block"}}  # fmt: skip
+# The header of a conditional create: If-None-Match: * on S3 and Azure, generation 0 on GCS.
+CREATE_IF = {"s3": "if-none-match", "az": "if-none-match", "gs": "x-goog-if-generation-match"}
 BIG = 3 << 20  # float32 elements: 12 MiB, two parts of PART_BYTES
 
 
@@ -71,7 +74,7 @@ def test_a_connection_cut_mid_part_aborts_the_upload_and_keeps_the_staged_copy(
     assert fault.fired >= 3  # every try of a part was cut (2 retries each)
     assert all(r.status is None for r in store_proxy.requests(**PART))
     assert error.filename == url and url in str(error), error
-    if store_bucket.server.scheme == "s3":  # Azure has no abort: uncommitted blocks expire unseen
+    if store_bucket.server.scheme != "az":  # Azure has no abort: uncommitted blocks expire unseen
         assert store_proxy.count(method="DELETE", query="uploadId") == 1  # AbortMultipartUpload
     assert store_bucket.server.uploads_in_flight(store_bucket.name) == []
     assert store_bucket.objects() == []
@@ -84,7 +87,7 @@ def test_a_commit_object_refused_with_412_is_another_writer(
     store_bucket: StoreBucket, store_proxy: FaultProxy, root: Path
 ) -> None:
     dest = f"{store_bucket.url}/run/checkpoint-3"
-    fault = store_proxy.fail(412, method="PUT", path=COMMIT_NAME, header="if-none-match")
+    fault = store_proxy.fail(412, method="PUT", path=COMMIT_NAME, header=CREATE_IF[store_bucket.server.scheme])
     with pytest.raises(safestage.PublishError) as raised, safestage.staged_dir(dest, root) as local:
         (local / "config.json").write_text("{}")
     assert fault.fired == 1

