@@ -219,3 +219,14 @@ def test_explicit_storage_options_reach_a_bucket_with_no_environment(
             safestage.configure_store("/mnt/bucket", options)
     finally:
         safestage.configure_store(bucket.url, None)
+
+
+@pytest.mark.regression("issue 31: on GCS a delete stopped at the first missing object and left the rest")
+def test_a_delete_removes_every_object_named_even_past_missing_ones(bucket: StoreBucket) -> None:
+    """GCS has no batched delete: obstore deletes one object a request and stops at the first
+    404. A missing object is no error, and every other object named is gone."""
+    named = [object_url(bucket, f"run/checkpoint-1/{i:02d}.bin") for i in range(24)]
+    for url in named[4:]:
+        _object_store.put_bytes(url, b"x")
+    _object_store.delete(named)
+    assert keys(bucket) == []
