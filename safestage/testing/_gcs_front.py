@@ -12,7 +12,7 @@ to the JSON API:
   ``x-goog-if-generation-match``, checked here against the one answer fake-gcs-server gives);
 - ``DELETE /bucket/key`` (obstore deletes one object a request on GCS: it has no bulk delete);
 - ``GET /bucket?list-type=2`` (``prefix``, ``delimiter``, ``continuation-token``,
-  ``max-keys``): a ListBucketResult;
+  ``max-keys``, 1,000 keys a page by default as GCS): a ListBucketResult;
 - multipart uploads: ``POST ?uploads``, ``PUT ?partNumber=&uploadId=``, ``POST ?uploadId=``
   (the parts, held in this process's memory, assembled and uploaded once, with the initiate's
   precondition), ``DELETE ?uploadId=`` (the parts dropped).
@@ -29,6 +29,7 @@ import base64
 import hashlib
 import http.client
 import json
+import socket
 import threading
 import urllib.parse
 import uuid
@@ -138,6 +139,12 @@ class _Handler(BaseHTTPRequestHandler):
     owner: GcsXmlFront
     protocol_version = "HTTP/1.1"
 
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out in two writes: without this, Nagle's algorithm holds the body
+        # until the client's delayed ACK (40 ms a GET).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def log_message(self, format: str, *args: object) -> None:
         pass
 
@@ -224,7 +231,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _list(self, bucket: str, query: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
         wanted = {"prefix": query.get("prefix"), "delimiter": query.get("delimiter"),
-                  "pageToken": query.get("continuation-token"), "maxResults": query.get("max-keys"),
+                  "pageToken": query.get("continuation-token"), "maxResults": query.get("max-keys", "1000"),
                   "startOffset": query.get("start-after")}  # fmt: skip
         target = f"/storage/v1/b/{_q(bucket)}/o?" + urllib.parse.urlencode({k: v for k, v in wanted.items() if v})
         status, _, answer = self.owner.json("GET", target)
