@@ -326,7 +326,7 @@ def test_recover_uploads_the_copies_a_failed_job_kept_for_a_url(bucket: StoreBuc
     assert _cli.main(["recover", str(root)]) == 0 and "no kept copy" in capsys.readouterr().out
 
 
-def test_a_run_resumed_from_an_older_step_sets_the_abandoned_ones_aside_on_a_url(bucket: str, root: Path) -> None:
+def test_a_run_resumed_from_an_older_step_sets_the_abandoned_ones_aside_on_a_url(bucket: StoreBucket, root: Path) -> None:
     """The timeline on a bucket: checkpoint-3 committed after checkpoint-5 and -7 began from an
     older step (a resumed run). Both are set aside by a marker object: latest names checkpoint-3,
     verify says what set them aside, keep= neither counts nor removes them, and a fetch of the
