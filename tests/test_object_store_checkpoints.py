@@ -1,6 +1,6 @@
 """Reading, pruning and recovering checkpoints committed to an object store (s3:// on moto's
-real S3 server, gs:// on fake-gcs-server through the kit's XML front, 127.0.0.1), with the promises they keep on paths: ``latest_complete`` is one
-paginated LIST plus one GET and never names a step whose objects no longer match its commit
+real S3 server, gs:// on fake-gcs-server through the kit's XML front, 127.0.0.1), with the
+promises they keep on paths: ``latest_complete`` is one paginated LIST plus one GET and never names a step whose objects no longer match its commit
 object; ``verify`` (deep too) says why a checkpoint is not complete; retention never removes the
 resume point nor a name its pattern does not take; ``recover`` re-uploads a kept copy."""
 
@@ -30,8 +30,8 @@ from safestage._destination import ObjectURL
 from safestage.checkpoint._verify import matcher
 from safestage.testing import FaultProxy, StoreBucket
 
-# S3 and GCS: a batched delete and a delete an object, ETags and generations. Azure's listing
-# and commit object are shown by test_object_store_saves.py; each kind more costs CI time.
+# S3 and GCS: batched deletes and one DELETE an object. seaweedfs and Azure are shown saving by
+# test_object_store_saves.py; each kind more here costs CI time.
 pytestmark = pytest.mark.stores("moto", "fake-gcs", why="S3 and GCS show the reading side; each kind costs CI time")
 
 

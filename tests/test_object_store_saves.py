@@ -1,6 +1,7 @@
 """Saves and commits straight to an object store (each kind of the kit's local servers on
-127.0.0.1: moto and seaweedfs for s3://, Azurite for az://): what lands is what was saved, nothing else lands, and a
-scheme safestage does not serve is refused before anything is written."""
+127.0.0.1: moto and seaweedfs for s3://, Azurite for az://, fake-gcs for gs://): what lands is
+what was saved, nothing else lands, and a scheme safestage does not serve is refused before
+anything is written."""
 
 from __future__ import annotations
 
