@@ -214,7 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _get(self, method: str, bucket: str, key: str, generation: Optional[str]) -> tuple[int, dict[str, str], bytes]:
         headers = {"Range": self.headers["Range"]} if self.headers.get("Range") and method == "GET" else {}
-        status, got, answer = self.owner.json("GET", f"/storage/v1/b/{_q(bucket)}/o/{_q(key)}?alt=media", headers=headers)
+        status, got, answer = self.owner.json(method, f"/storage/v1/b/{_q(bucket)}/o/{_q(key)}?alt=media", headers=headers)
         if status not in (200, 206):
             raise _Answer(status)
         md5 = dict(p.split("=", 1) for p in got.get("x-goog-hash", "").split(",") if "=" in p)["md5"]
