@@ -8,7 +8,7 @@
 
 One run, one S3 server, every method measured in it, reported as ratios to the fastest peer.
 By default the server is a local seaweedfs (a real S3 server written in Go, on 127.0.0.1, its
-data in /dev/shm) started by the testing kit; ``--endpoint``/``--bucket`` point the same run at
+data in a temporary directory on the local disk) started by the testing kit; ``--endpoint``/``--bucket`` point the same run at
 any S3 endpoint instead (a real bucket: the credentials come from the standard AWS variables).
 
 ``upload``: a 1 GiB checkpoint (4 safetensors shards of 256 MiB; ``--quick``: 4 x 32 MiB), built
