@@ -438,11 +438,13 @@ def read_commit(directory: Path) -> tuple[Optional[Manifest], Optional[Problem],
     return manifest, None, info.st_mtime
 
 
-def check(
-    directory: Path, manifest: Manifest, *, deep: bool, progress: Optional[Progress] = None
-) -> VerifyResult:
-    """Every file of ``manifest`` against ``directory``: type and size; deep, content too."""
-    result = VerifyResult(directory, deep, manifest)
+def _started(
+    checkpoint: Destination, deep: bool, manifest: Manifest, progress: Optional[Progress], commit: str
+) -> tuple[VerifyResult, Optional[Callable[[int], None]]]:
+    """A check's result, and its byte counter for ``progress`` (deep only). A commit of nothing
+    vouches for nothing: 0.4 committed a staged_dir block that saved no file (or saved it
+    elsewhere), and latest named it, retention counted it."""
+    result = VerifyResult(checkpoint, deep, manifest)
     report = None
     if deep and progress is not None:
         total = manifest.total_bytes
@@ -452,10 +454,15 @@ def check(
             progress(result.bytes_read, total)
 
     if not manifest.files:
-        # A commit of nothing vouches for nothing: 0.4 committed a staged_dir block that saved
-        # no file (or saved it elsewhere), and latest named it, retention counted it.
-        why = "the commit file lists no file: nothing was saved into this checkpoint; delete it, or save it again"
+        why = f"the {commit} lists no file: nothing was saved into this checkpoint; delete it, or save it again"
         result.problems.append(Problem("", "empty", why))
+    return result, report
+
+def check(
+    directory: Path, manifest: Manifest, *, deep: bool, progress: Optional[Progress] = None
+) -> VerifyResult:
+    """Every file of ``manifest`` against ``directory``: type and size; deep, content too."""
+    result, report = _started(directory, deep, manifest, progress, "commit file")
     safe_dirs: dict[str, Optional[tuple[str, str]]] = {}  # parent -> (kind, why); None: fine
     for entry in manifest.files:
         result.files_checked += 1
@@ -811,18 +818,7 @@ def check_objects(
     """``check`` of a checkpoint URL: each object of ``manifest`` against the listing (there,
     of the recorded size and ETag); deep, its bytes streamed back for their CRC-32 (and a
     ``.safetensors`` header), each GET If-Match the recorded ETag."""
-    result = VerifyResult(checkpoint, deep, manifest)
-    report = None
-    if deep and progress is not None:
-        total = manifest.total_bytes
-
-        def report(count: int) -> None:
-            result.bytes_read += count
-            progress(result.bytes_read, total)
-
-    if not manifest.files:
-        why = "the commit object lists no file: nothing was saved into this checkpoint; delete it, or save it again"
-        result.problems.append(Problem("", "empty", why))
+    result, report = _started(checkpoint, deep, manifest, progress, "commit object")
     for entry in manifest.files:
         result.files_checked += 1
         info = listed.get(entry.path)
