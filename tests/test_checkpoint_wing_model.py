@@ -230,7 +230,7 @@ class StoreFamily(Family):
     folder object (``<run>/<name>/``, no bytes)."""
 
     kinds = ("directory", "committed", "file", "object", "taken-directory", "foreign", "folder")
-    kill_steps = 60  # a URL commit makes ~35 tapped calls (requests included); the path's ~100
+    kill_steps = 60  # a URL commit in a fresh process makes ~42 tapped calls, requests included
 
     def __init__(self, bucket: Any) -> None:
         self.bucket = bucket
