@@ -34,6 +34,9 @@ SCHEMES = {"s3": "s3", "gs": "gcs", "az": "azure"}
 # What a URL looks like: a scheme of letters, digits, + - . and "://" (RFC 3986). A path that
 # merely contains "://" further on ("ckpt/a://b") is a path.
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# What object_store's path parts refuse (a key a store holds, the client cannot name): the ASCII
+# control characters, U+0000-U+001F and U+007F.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class UnsupportedDestination(ConfigError):
@@ -126,6 +129,13 @@ def url_of(argument: Any) -> Optional[ObjectURL]:
         raise UnsupportedDestination(
             f"safestage cannot save to {argument!r}: name a bucket and a key "
             f"({scheme}://bucket/run/checkpoint-100), with no empty, '.' or '..' part."
+        )
+    control = _CONTROL.search(key)
+    if control is not None:
+        raise UnsupportedDestination(
+            f"safestage cannot save to {argument!r}: its key {key!r} holds the control character "
+            f"{control.group()!r}, which the store client (obstore, Rust object_store) cannot name, "
+            "though a store may hold such a key: rename it without control characters."
         )
     return ObjectURL(scheme, bucket, key)
 

@@ -6,6 +6,12 @@ dry run gives the list of steps of a whole save), and at one chosen step it can 
 of the call: raise an OSError of that call's errno, raise KeyboardInterrupt (what Ctrl-C does
 there), SIGKILL the process, fork, or run a callback (a concurrent cleaner) and go on.
 Calls from other code (pathlib, shutil's own internals, pytest) pass untouched.
+
+``requests=True`` counts the object-store requests too: each call a safestage module makes to
+a request function of ``safestage._object_store`` (an upload, a PUT, a GET, a LIST, a batched
+DELETE), named ``store.<function>``. The requests themselves run in obstore's Rust runtime,
+where no system call of Python's is seen; a step before each is where a process dies between
+two requests of a URL commit (after its data objects, before its commit object).
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+# The request functions of safestage._object_store (requests=True).
+_STORE_NAMES = ("upload", "put_bytes", "get", "read", "head", "listing", "delete", "chunks", "download",
+                "read_range")  # fmt: skip
 
 # What each call answers when the filesystem fails it: the errno a user would see there.
 ERRNO = {
@@ -44,6 +54,8 @@ ERRNO = {
     "flock": errno.ENOLCK,
     "fcntl": errno.EINVAL,
     "rmtree": errno.EBUSY,
+    # A store request that fails: the store's 500, after obstore's retries (StoreError, EIO).
+    **{f"store.{name}": errno.EIO for name in _STORE_NAMES},
 }
 _OS_NAMES = (
     "open", "close", "write", "fsync", "replace", "unlink", "mkdir", "rmdir", "stat", "lstat",
@@ -60,8 +72,10 @@ class Step:
     module: str  # the safestage module that made the call
 
 
-def _ours(frame: Any) -> bool:
+def _ours(frame: Any, name: str = "") -> bool:
     module = frame.f_globals.get("__name__", "")
+    if name.startswith("store.") and module == "safestage._object_store":
+        return False  # a request function calling another: one request, counted once
     return module.startswith("safestage") and not module.startswith("safestage.testing")
 
 
@@ -69,8 +83,9 @@ class Tap:
     """``with Tap(at=k, action=...) as tap:`` run a save; ``tap.steps`` lists the calls."""
 
     def __init__(self, at: Optional[int] = None, action: Optional[str] = None,
-                 callback: Optional[Callable[[], None]] = None) -> None:  # fmt: skip
+                 callback: Optional[Callable[[], None]] = None, *, requests: bool = False) -> None:  # fmt: skip
         self.at = at
+        self.requests = requests
         self.action = action
         self.callback = callback
         self.steps: list[Step] = []
@@ -89,6 +104,11 @@ class Tap:
         self._patch(fcntl, "fcntl", "fcntl")
         self._patch(shutil, "rmtree", "rmtree")
         self._patch(builtins, "open", "builtins.open")
+        if self.requests:
+            from safestage import _object_store
+
+            for name in _STORE_NAMES:
+                self._patch(_object_store, name, f"store.{name}")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -102,7 +122,7 @@ class Tap:
 
         def tapped(*args: Any, **kwargs: Any) -> Any:
             caller = sys._getframe(1)
-            if not _ours(caller):
+            if not _ours(caller, name):
                 return real(*args, **kwargs)
             with tap._lock:
                 step = Step(len(tap.steps), name, repr(args[0])[-80:] if args else "",
@@ -143,6 +163,10 @@ class Tap:
                 return None  # what a failing rmtree(ignore_errors=True) does: nothing, silently
             if step.name == "close":
                 real(*args, **kwargs)  # Linux releases the descriptor even when close fails
+            if step.name.startswith("store."):
+                from safestage._object_store import StoreError
+
+                raise StoreError(code, f"{step.name} {args[0]}: 500 Internal Server Error (tapped)", str(args[0]))
             raise OSError(code, os.strerror(code), args[0] if args and isinstance(args[0], (str, os.PathLike)) else None)
         if action == "interrupt":
             # What a Ctrl-C does at this point: Python runs SIGINT's current handler in the

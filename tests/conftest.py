@@ -45,6 +45,7 @@ SUITE_VARIABLES = (
     "SAFESTAGE_DCP_KILL_SEED",  # test_dcp_kills.py: the seed of the kills
     "SAFESTAGE_SNAPSHOT_EXAMPLES",  # test_background_saves_match_sync.py: Hypothesis examples per test
     "SAFESTAGE_WING_EXAMPLES",  # test_checkpoint_wing_model.py: examples of the state machine
+    "SAFESTAGE_WING_URL_EXAMPLES",  # test_checkpoint_wing_model.py: examples of it on a run URL
     "SAFESTAGE_STORE_PRUNE_EXAMPLES",  # test_object_store_checkpoints.py: Hypothesis examples of prune on a URL
 )
 _suite_settings = _support.SUITE_SETTINGS

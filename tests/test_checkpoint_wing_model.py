@@ -11,24 +11,40 @@ point (the newest complete checkpoint) is never removed; ``latest_complete`` nev
 incomplete, empty, set-aside or non-candidate directory; retention and the timeline
 (docs/retention.md) remove and set aside exactly what the model says.
 
+The same machine runs on an object-store run URL (``s3://bucket/run-…``, a bucket on the kit's
+local server), through a destination family (``Family``: the run's names, the entries it lists,
+hand-made objects, the CLI's argument), never a second copy of the machine. What a bucket cannot
+hold is adapted there: a symlink named like a candidate becomes a plain object of that name (the
+pattern takes the name; it is no checkpoint prefix); a stray file, a plain object directly in
+the run; and a run's foreign neighbours are added (a complete checkpoint under a sibling prefix
+``<run>-old/``, a plain object ``<run>checkpoint-N`` whose key only begins like the run's, an
+S3 console "folder" object ``<run>/<name>/``), each never touched, never named. A commit killed
+at a system call is killed at a system call or at a store request (``Tap(requests=True)``):
+the requests run in obstore's runtime, out of Python's sight, so a step before each request is
+where a commit dies between its data objects and its commit object.
+
 Examples: SAFESTAGE_WING_EXAMPLES (CI 40, about 25 s on 2 cores; the long tier 300, about 5 minutes),
-each up to 30 steps.
+each up to 30 steps; on a URL, SAFESTAGE_WING_URL_EXAMPLES (CI 6, about 20 s on 2 busy cores; the long tier 100,
+on every kind of local store that saves).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional, Union
 
 import pytest
-from _support import SUITE_SETTINGS, long_tier
+from _support import SUITE_SETTINGS, long_tier, tiered
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -40,11 +56,13 @@ from hypothesis.stateful import (
 )
 
 import safestage
-from safestage import COMMIT_NAME
+from safestage import COMMIT_NAME, _object_store
+from safestage._destination import Destination, ObjectURL, UnsupportedDestination, url_of
 from safestage.checkpoint._manifest import SET_ASIDE_NAME
 from safestage.checkpoint._verify import matcher
 
 EXAMPLES_VARIABLE = "SAFESTAGE_WING_EXAMPLES"
+URL_EXAMPLES_VARIABLE = "SAFESTAGE_WING_URL_EXAMPLES"
 TESTS = Path(__file__).resolve().parent
 PATTERN = "checkpoint-*"
 TAKES = matcher(PATTERN)
@@ -57,14 +75,16 @@ NEAR_MISSES = (
     "checkpoint-٣", "checkpoint-4 ", "checkpoint-0x10", "epoch=1-step=5-v1.ckpt", "checkpoint-8\n",
 )  # fmt: skip
 
-# A commit SIGKILLed at its AT-th system call (tests/_tap.py), in a process of its own.
+# A commit SIGKILLed at its AT-th system call (tests/_tap.py), or store request, in a process
+# of its own.
 KILLED_COMMIT = """
 import sys
 from pathlib import Path
 from _tap import Tap
 import safestage
-dest, root, token, at = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
-with Tap(at=at, action="kill"):
+dest, root, token, at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+dest = dest if "://" in dest else Path(dest)
+with Tap(at=at, action="kill", requests=True):
     with safestage.staged_dir(dest, root) as local:
         (local / "model.bin").write_text(token)
         (local / "state").mkdir()
@@ -72,9 +92,9 @@ with Tap(at=at, action="kill"):
 """
 
 
-def examples() -> int:
-    text = SUITE_SETTINGS.get(EXAMPLES_VARIABLE, "").strip()
-    return int(text) if text else (300 if long_tier() else 40)
+def examples(variable: str = EXAMPLES_VARIABLE, ci: int = 40, long: int = 300) -> int:
+    text = SUITE_SETTINGS.get(variable, "").strip()
+    return int(text) if text else (long if long_tier() else ci)
 
 
 @dataclass
@@ -108,21 +128,218 @@ def fingerprint(path: Path) -> object:
                           for p in path.rglob("*")))  # fmt: skip
 
 
+class Family:
+    """The run's destination family, as the machine sees it: where a checkpoint of a name is, the
+    names the run holds, what a hand-made entry is there, and what it reads back."""
+
+    run: Union[Path, str]  # what staged_dir's parent, latest_complete, prune and the CLI take
+    kinds: tuple[str, ...]  # the hand-made entries this family can hold
+    kill_steps: int  # a killed commit's step is drawn below this (past the last: it finishes)
+
+    def checkpoint(self, name: str) -> Destination:
+        raise NotImplementedError
+
+    def names(self) -> set[str]:
+        """The names of the run's entries (directories, files, links; prefixes, objects)."""
+        raise NotImplementedError
+
+    def is_checkpoint(self, name: str) -> bool:
+        """Whether the entry ``name`` is checkpoint-shaped: a directory (no link); a prefix (no object)."""
+        raise NotImplementedError
+
+    def exists(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def read(self, name: str, relative: str) -> Optional[bytes]:
+        """A checkpoint's file, None if it has none of that name."""
+        raise NotImplementedError
+
+    def fingerprint(self, name: str) -> object:
+        raise NotImplementedError
+
+    def make(self, name: str, kind: str, data: st.DataObject, model: list[str], root: Path) -> bool:
+        """Make a hand-made entry of ``kind`` named ``name`` (the other kinds than "committed" and
+        "taken-directory", which the machine makes the same way in every family): False if
+        ``kind`` names no entry in the run (it made it outside the run, or made nothing)."""
+        raise NotImplementedError
+
+    def refuses(self, name: str) -> bool:
+        """Whether a checkpoint cannot be named ``name`` in this family (a save is refused)."""
+        return False
+
+    def outside(self) -> object:
+        """What lies outside the run (never touched by anything done to the run)."""
+        return None
+
+    def still(self) -> contextlib.AbstractContextManager[object]:
+        """A block that changes nothing in the run (an invariant's): the family may list it once."""
+        return contextlib.nullcontext()
+
+    def teardown(self) -> None:
+        pass
+
+
+class PathFamily(Family):
+    """A run directory on the local disk."""
+
+    kinds = ("directory", "committed", "file", "symlink", "taken-directory")
+    kill_steps = 140
+
+    def __init__(self, base: Path) -> None:
+        self.run = self.path = base / "run"
+        self.path.mkdir()
+
+    def checkpoint(self, name: str) -> Path:
+        return self.path / name
+
+    def names(self) -> set[str]:
+        return set(os.listdir(self.path))
+
+    def is_checkpoint(self, name: str) -> bool:
+        path = self.path / name
+        return path.is_dir() and not path.is_symlink()
+
+    def exists(self, name: str) -> bool:
+        return os.path.lexists(self.path / name)
+
+    def read(self, name: str, relative: str) -> Optional[bytes]:
+        path = self.path / name / relative
+        return path.read_bytes() if path.is_file() else None
+
+    def fingerprint(self, name: str) -> object:
+        return fingerprint(self.path / name)
+
+    def make(self, name: str, kind: str, data: st.DataObject, model: list[str], root: Path) -> bool:
+        path = self.path / name
+        if kind == "directory":
+            path.mkdir()
+            (path / "notes.txt").write_text(name)
+        elif kind == "file":
+            path.write_text(name)
+        else:
+            assert kind == "symlink", kind
+            path.symlink_to(data.draw(st.sampled_from([*sorted(model), "checkpoint-1", "../elsewhere"])))
+        return True
+
+
+class StoreFamily(Family):
+    """A run URL (``<bucket>/run-<id>``) in a bucket of the kit's local store: its entries are
+    the first parts of the keys below ``run/``, read from the server's own listing. A bucket has
+    no symlink; "object" is its counterpart (a plain object named like a candidate), "foreign"
+    the neighbours whose keys begin like the run's and lie outside it, "folder" an S3 console
+    folder object (``<run>/<name>/``, no bytes)."""
+
+    kinds = ("directory", "committed", "file", "object", "taken-directory", "foreign", "folder")
+    kill_steps = 60  # a URL commit in a fresh process makes ~42 tapped calls, requests included
+
+    def __init__(self, bucket: Any) -> None:
+        self.bucket = bucket
+        self.key = f"run-{uuid.uuid4().hex[:8]}"  # one bucket for every example: a run each
+        self.run = f"{bucket.url}/{self.key}"
+        url = url_of(self.run)
+        assert url is not None
+        self.url = url
+        self._listed: Optional[list[str]] = None
+
+    def _at(self, key: str) -> ObjectURL:
+        return ObjectURL(self.url.scheme, self.url.bucket, key)
+
+    def _keys(self) -> list[str]:
+        return self._listed if self._listed is not None else self.bucket.objects()
+
+    @contextlib.contextmanager
+    def still(self) -> Iterator[object]:
+        self._listed = self.bucket.objects()
+        try:
+            yield self._listed
+        finally:
+            self._listed = None
+
+    def _below(self) -> list[str]:
+        """The keys below the run, relative to it."""
+        start = len(self.key) + 1
+        return [key[start:] for key in self._keys() if key.startswith(self.key + "/")]
+
+    def checkpoint(self, name: str) -> ObjectURL:
+        url = url_of(f"{self.run}/{name}")  # through the seam, as a user's string is
+        assert url is not None
+        return url
+
+    def refuses(self, name: str) -> bool:
+        # "checkpoint-8\n": obstore cannot name a key holding a control character (_destination)
+        return any(ord(c) < 32 or ord(c) == 127 for c in name)
+
+    def names(self) -> set[str]:
+        return {relative.partition("/")[0] for relative in self._below()}
+
+    def is_checkpoint(self, name: str) -> bool:
+        below = [relative for relative in self._below() if relative.partition("/")[0] == name]
+        return bool(below) and name not in below  # objects below name/, none named name itself
+
+    def exists(self, name: str) -> bool:
+        return name in self.names()
+
+    def read(self, name: str, relative: str) -> Optional[bytes]:
+        return _object_store.read(self.url / name / relative)
+
+    def _put(self, key: str, data: bytes) -> None:
+        _object_store.put_bytes(self._at(key), data)
+
+    def fingerprint(self, name: str) -> object:
+        keys = [key for key in self._keys() if key == f"{self.key}/{name}" or key.startswith(f"{self.key}/{name}/")]
+        return sorted((key, _object_store.read(self._at(key))) for key in keys)
+
+    def make(self, name: str, kind: str, data: st.DataObject, model: list[str], root: Path) -> bool:
+        if kind == "directory":
+            self._put(f"{self.key}/{name}/notes.txt", name.encode())
+        elif kind in ("file", "object"):
+            self._put(f"{self.key}/{name}", name.encode())
+        elif kind == "folder":
+            self._put(f"{self.key}/{name}/", b"")
+        else:
+            assert kind == "foreign", kind
+            step = data.draw(st.integers(min_value=10, max_value=99))  # newer than any commit's
+            if data.draw(st.booleans()):
+                with safestage.staged_dir(f"{self.run}-old/checkpoint-{step}", root) as local:
+                    (local / "model.bin").write_text("a neighbouring run's")
+            else:
+                self._put(f"{self.key}checkpoint-{step}", b"a key that only begins like the run's")
+            return False
+        return True
+
+    def outside(self) -> object:
+        keys = [key for key in self._keys() if key.startswith(self.key) and not key.startswith(self.key + "/")]
+        return sorted((key, _object_store.read(self._at(key))) for key in keys)
+
+    def teardown(self) -> None:
+        _object_store.delete([self._at(key) for key in self._keys() if key.startswith(self.key)])
+
+
 class Wing(RuleBasedStateMachine):
+    """The machine on a run directory; ``on(family)`` makes it run on another family's run."""
+
+    make_family: Callable[[Path], Family] = PathFamily
+
+    @classmethod
+    def on(cls, name: str, make_family: Callable[[Path], Family]) -> type[Wing]:
+        return type(name, (cls,), {"make_family": staticmethod(make_family)})
+
     def __init__(self) -> None:
         super().__init__()
         self.base = Path(tempfile.mkdtemp(prefix="wing-"))
-        self.run = self.base / "run"
         self.root = self.base / "stage"
-        self.run.mkdir()
         self.root.mkdir()
+        self.family = self.make_family(self.base)
+        self.run = self.family.run
         self.model: dict[str, Checkpoint] = {}
         self.untouchable: dict[str, object] = {}  # name -> fingerprint
         self.copies: dict[int, Copy] = {}
+        self.outside = self.family.outside()  # what lies outside the run, never touched
         self.order = 0
         self.tokens = 0
 
     def teardown(self) -> None:
+        self.family.teardown()
         shutil.rmtree(self.base, ignore_errors=True)
 
     # -- the model -----------------------------------------------------------------------------
@@ -181,7 +398,7 @@ class Wing(RuleBasedStateMachine):
     def _commit(self, step: int, background: bool, keep: Optional[int]) -> None:
         name, token = f"checkpoint-{step}", self._token()
         started = self._began()
-        handle = safestage.staged_dir(self.run / name, self.root, background=background, keep=keep)
+        handle = safestage.staged_dir(self.family.checkpoint(name), self.root, background=background, keep=keep)
         with handle as local:
             (local / "model.bin").write_text(token)
             (local / "state").mkdir()
@@ -194,39 +411,40 @@ class Wing(RuleBasedStateMachine):
     @rule(step=STEPS, empty=st.booleans(), background=st.booleans())
     def a_block_that_raises_or_writes_nothing(self, step: int, empty: bool, background: bool) -> None:
         self._began()
-        handle = safestage.staged_dir(self.run / f"checkpoint-{step}", self.root, keep=1, background=background)
+        handle = safestage.staged_dir(self.family.checkpoint(f"checkpoint-{step}"), self.root, keep=1,
+                                      background=background)  # fmt: skip
         with pytest.raises(safestage.StagingError if empty else ZeroDivisionError), handle as local:
             if not empty:
                 (local / "model.bin").write_text("never committed")
                 _ = 1 / 0
 
     @precondition(lambda self: len(self.copies) < 3)
-    @rule(step=STEPS, at=st.integers(min_value=0, max_value=140))
-    def a_commit_killed(self, step: int, at: int) -> None:
+    @rule(step=STEPS, data=st.data())
+    def a_commit_killed(self, step: int, data: st.DataObject) -> None:
+        at = data.draw(st.integers(min_value=0, max_value=self.family.kill_steps), label="at")
         if step in self.copies:
             return  # one copy per checkpoint at a time: recover first
         name, token = f"checkpoint-{step}", self._token()
         started = self._began()
         before = self.model.get(name)
-        child = subprocess.run([sys.executable, "-c", KILLED_COMMIT, str(self.run / name), str(self.root), token,
+        child = subprocess.run([sys.executable, "-c", KILLED_COMMIT, str(self.family.checkpoint(name)), str(self.root), token,
                                 str(at)], env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                     [str(TESTS), os.environ.get("PYTHONPATH", "")])},
                                capture_output=True, text=True, timeout=60)  # fmt: skip
         assert child.returncode in (0, -signal.SIGKILL), child.stderr
-        dest = self.run / name
-        result = safestage.verify(dest)
-        landed = result.complete and (dest / "model.bin").read_text() == token
+        result = safestage.verify(self.family.checkpoint(name))
+        landed = result.complete and self.family.read(name, "model.bin") == token.encode()
         if landed:
             self._landed(name, started, token)
         else:
             # Killed before its commit file: what it set aside before dying stays set aside.
             for other_name, other in self.model.items():
                 if other.complete and other.step > step and not other.set_aside \
-                        and (self.run / other_name / SET_ASIDE_NAME).exists():  # fmt: skip
+                        and self.family.read(other_name, SET_ASIDE_NAME) is not None:  # fmt: skip
                     other.set_aside = True
             if result.complete:
-                assert before is not None and before.complete and (dest / "model.bin").read_text() == before.token
-            elif dest.is_dir():
+                assert before is not None and before.complete and self.family.read(name, "model.bin") == before.token.encode()
+            elif self.family.exists(name):
                 self.model[name] = Checkpoint(step, False)  # an old commit file goes first
             else:
                 assert before is None, (name, before)
@@ -266,77 +484,100 @@ class Wing(RuleBasedStateMachine):
             safestage.prune(self.run, keep)
         self._retention(keep)
         if resume is not None:
-            assert safestage.verify(self.run / resume).complete, resume  # the resume point stays
+            assert safestage.verify(self.family.checkpoint(resume)).complete, resume  # the resume point stays
 
-    @rule(data=st.data(), kind=st.sampled_from(["directory", "committed", "file", "symlink", "taken-directory"]))
-    def a_hand_made_entry(self, data: st.DataObject, kind: str) -> None:
+    @rule(data=st.data())
+    def a_hand_made_entry(self, data: st.DataObject) -> None:
         """A name the pattern does not take (a directory, a complete checkpoint committed by
         safestage, a file), a symlink named like a candidate, or a directory the pattern takes
-        that no commit made (checkpoint-0<step>: no commit file)."""
-        if kind == "symlink":
+        that no commit made (checkpoint-0<step>: no commit file); on a URL, their counterparts
+        (``StoreFamily``) and the run's foreign neighbours."""
+        kind = data.draw(st.sampled_from(self.family.kinds), label="kind")
+        if kind in ("symlink", "object"):
             name = f"checkpoint-{data.draw(st.integers(min_value=10, max_value=99))}"  # never a commit's
         elif kind == "taken-directory":
             name = f"checkpoint-0{data.draw(STEPS)}"  # step <step>, never a commit's name
+        elif kind == "folder":  # a folder object alone is no checkpoint, whatever its name
+            name = data.draw(st.sampled_from([*NEAR_MISSES, *(f"checkpoint-0{step}" for step in range(1, 10))]))
         else:
             name = data.draw(st.sampled_from(NEAR_MISSES))
-        path = self.run / name
-        if os.path.lexists(path):
+        if self.family.refuses(name):
+            with pytest.raises(UnsupportedDestination, match="control character"):
+                safestage.staged_dir(f"{self.run}/{name}", self.root).__enter__()
+            return
+        if self.family.exists(name):
             return
         if kind == "taken-directory":
-            path.mkdir()
-            (path / "pytorch_model.bin").write_text("hand-made, never committed")
+            self.family.make(name, "directory", data, sorted(self.model), self.root)
             self.model[name] = Checkpoint(TAKES(name) or 0, False)
             return
         if kind == "committed":  # complete, by safestage itself: still no checkpoint of the pattern
-            with safestage.staged_dir(path, self.root) as local:
+            with safestage.staged_dir(self.family.checkpoint(name), self.root) as local:
                 (local / "model.bin").write_text(name)
-        elif kind == "directory":
-            path.mkdir()
-            (path / "notes.txt").write_text(name)
-        elif kind == "file":
-            path.write_text(name)
-        else:
-            targets = [*sorted(self.model), "checkpoint-1", "../elsewhere"]
-            path.symlink_to(data.draw(st.sampled_from(targets)))
-        self.untouchable[name] = fingerprint(path)
+        elif not self.family.make(name, kind, data, sorted(self.model), self.root):
+            self.outside = self.family.outside()
+            return
+        self.untouchable[name] = self.family.fingerprint(name)
 
     # -- invariants ----------------------------------------------------------------------------
 
     @invariant()
     def the_run_directory_is_what_the_model_says(self) -> None:
-        on_disk = {}
-        for name in os.listdir(self.run):
-            path = self.run / name
+        with self.family.still():
+            self._the_run_directory_is_what_the_model_says()
+
+    def _the_run_directory_is_what_the_model_says(self) -> None:
+        names = self.family.names()
+        on_disk = set()
+        for name in names:
             if name in self.untouchable:
-                assert fingerprint(path) == self.untouchable[name], f"{name!r} was touched"
+                assert self.family.fingerprint(name) == self.untouchable[name], f"{name!r} was touched"
                 continue
-            assert TAKES(name) is not None and path.is_dir() and not path.is_symlink(), name
-            on_disk[name] = path
-        missing = set(self.untouchable) - set(os.listdir(self.run))
+            assert TAKES(name) is not None and self.family.is_checkpoint(name), name
+            on_disk.add(name)
+        missing = set(self.untouchable) - names
         assert not missing, f"removed, though the pattern does not take them: {missing}"
+        assert self.family.outside() == self.outside, "something outside the run was touched"
         assert sorted(on_disk) == sorted(self.model), (sorted(on_disk), self.model)
         for name, known in self.model.items():
-            result = safestage.verify(on_disk[name])
+            result = safestage.verify(self.family.checkpoint(name))
             assert result.complete == known.complete, (name, known, result.problems)
             assert (result.set_aside is not None) == known.set_aside, (name, known, result.set_aside)
             if known.complete:
-                assert (on_disk[name] / "model.bin").read_text() == known.token, name
+                assert self.family.read(name, "model.bin") == known.token.encode(), name
 
     @invariant()
     def latest_names_the_newest_complete_candidate_never_another(self) -> None:
+        with self.family.still():
+            self._latest_names_the_newest_complete_candidate_never_another()
+
+    def _latest_names_the_newest_complete_candidate_never_another(self) -> None:
         found = safestage.latest_complete(self.run)
         expected = self.expected_latest()
-        assert found == (None if expected is None else self.run / expected), (found, expected, self.model)
+        assert found == (None if expected is None else self.family.checkpoint(expected)), (found, expected, self.model)
         if found is not None:
             result = safestage.verify(found)
-            assert result.complete and result.set_aside is None and not found.is_symlink()
+            assert result.complete and result.set_aside is None
             assert TAKES(found.name) is not None and result.manifest is not None and result.manifest.files
-            assert (found / COMMIT_NAME).is_file()
+            assert self.family.is_checkpoint(found.name) and self.family.read(found.name, COMMIT_NAME) is not None
+
+
+def run_the_machine(machine: type[Wing], count: int) -> None:
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=count, stateful_step_count=30, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    ))  # fmt: skip
 
 
 @pytest.mark.slow
 def test_the_checkpoint_wing_holds_to_its_model() -> None:
-    run_state_machine_as_test(Wing, settings=settings(
-        max_examples=examples(), stateful_step_count=30, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    ))  # fmt: skip
+    run_the_machine(Wing, examples())
+
+
+# One kind in CI (moto: the S3 the other URL tests use most); every kind that saves in the long tier.
+@pytest.mark.slow
+@pytest.mark.stores(*tiered(["moto", "seaweedfs", "azurite"], ci=["moto"]),
+                    why="CI time: the machine's steps are the same on every store; the long tier runs them all")
+def test_the_checkpoint_wing_holds_to_its_model_on_a_run_url(store_bucket: Any) -> None:
+    run_the_machine(Wing.on("WingOnARunURL", lambda base: StoreFamily(store_bucket)),
+                    examples(URL_EXAMPLES_VARIABLE, ci=6, long=100))  # fmt: skip

@@ -92,6 +92,20 @@ def test_a_scheme_not_served_is_refused_and_nothing_is_written(
         safestage.staged_dir(url.rsplit("/", 1)[0]).__enter__()
 
 
+@pytest.mark.regression("issue 31: the checkpoint wing's model on a run URL, a near-miss name 'checkpoint-8\\n'")
+def test_a_key_the_client_cannot_name_is_refused_before_anything_is_written(bucket: StoreBucket, root: Path) -> None:
+    """obstore (Rust object_store) cannot name a key holding an ASCII control character, though S3
+    stores one: a commit there must be refused as a URL safestage cannot serve (ConfigError), not
+    fail after its staging as a store error whose advice is to retry."""
+    for url in (f"{bucket.url}/run/checkpoint-8\n", f"{bucket.url}/run\t1/checkpoint-8", f"{bucket.url}/a\x7fb"):
+        with pytest.raises(UnsupportedDestination, match="control character") as raised:
+            safestage.staged_dir(url, root).__enter__()
+        assert repr(url.split("/", 3)[3]) in str(raised.value)
+        with safestage.staged(root), pytest.raises(UnsupportedDestination, match="control character"):
+            save_file({"w": torch.zeros(2)}, f"{url}/model.safetensors")
+    assert keys(bucket) == [] and os.listdir(root) == []
+
+
 def test_a_url_naming_a_bucket_or_a_prefix_is_no_file(bucket: StoreBucket, root: Path) -> None:
     for url in (f"{bucket.url}", f"{bucket.url}/", f"{bucket.url}/run/"):
         with safestage.staged(root), pytest.raises(UnsupportedDestination, match="not an object"):
