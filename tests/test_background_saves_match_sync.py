@@ -7,7 +7,7 @@ SIGINT) at generated points: every call returns, every file is byte for byte wha
 synchronous save of the state at the call writes (or, after a Ctrl-C, what it held before or
 that), and no budget is left reserved.
 
-Examples: ``SAFESTAGE_SNAPSHOT_EXAMPLES`` (conftest.SUITE_VARIABLES), 20 per test in CI and
+Examples: ``SAFESTAGE_SNAPSHOT_EXAMPLES`` (conftest.SUITE_VARIABLES), 14 per test in CI and
 200 in the long tier (``SAFESTAGE_LONG=1``)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _examples() -> int:
     text = SUITE_SETTINGS.get(EXAMPLES_VARIABLE, "").strip()
     if text:
         return int(text)
-    return 200 if long_tier() else 20
+    return 200 if long_tier() else 14
 
 
 EXAMPLES = _examples()

@@ -23,8 +23,8 @@ at a system call is killed at a system call or at a store request (``Tap(request
 the requests run in obstore's runtime, out of Python's sight, so a step before each request is
 where a commit dies between its data objects and its commit object.
 
-Examples: SAFESTAGE_WING_EXAMPLES (CI 40, about 25 s on 2 cores; the long tier 300, about 5 minutes),
-each up to 30 steps; on a URL, SAFESTAGE_WING_URL_EXAMPLES (CI 6, about 20 s on 2 busy cores; the long tier 100,
+Examples: SAFESTAGE_WING_EXAMPLES (CI 30, about 20 s on 2 cores; the long tier 300, about 5 minutes),
+each up to 30 steps; on a URL, SAFESTAGE_WING_URL_EXAMPLES (CI 4, about 13 s on 2 busy cores; the long tier 100,
 on every kind of local store that saves).
 """
 
@@ -92,7 +92,7 @@ with Tap(at=at, action="kill", requests=True):
 """
 
 
-def examples(variable: str = EXAMPLES_VARIABLE, ci: int = 40, long: int = 300) -> int:
+def examples(variable: str = EXAMPLES_VARIABLE, ci: int = 30, long: int = 300) -> int:
     text = SUITE_SETTINGS.get(variable, "").strip()
     return int(text) if text else (long if long_tier() else ci)
 
@@ -580,4 +580,4 @@ def test_the_checkpoint_wing_holds_to_its_model() -> None:
                     why="CI time: the machine's steps are the same on every store; the long tier runs them all")
 def test_the_checkpoint_wing_holds_to_its_model_on_a_run_url(store_bucket: Any) -> None:
     run_the_machine(Wing.on("WingOnARunURL", lambda base: StoreFamily(store_bucket)),
-                    examples(URL_EXAMPLES_VARIABLE, ci=6, long=100))  # fmt: skip
+                    examples(URL_EXAMPLES_VARIABLE, ci=4, long=100))  # fmt: skip

@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from _support import SHM, open_fds
+from _support import SHM, open_fds, tiered
 from _tap import ERRNO, Tap
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -59,6 +59,9 @@ from safestage._names import KEPT_RECORD, parse_stage_dir, parse_temp_name
 from safestage._publish import RENAME_PROBE
 
 HERE = Path(__file__).parent
+# Where a save is walked: a rename on disk, replace (sync and background), direct, the kit's hdfs
+# and mountpoint mounts.
+PLACE_NAMES = ["rename", "replace", "replace-bg", "direct", "hdfs", "mountpoint"]
 
 
 ACTIONS = ("oserror", "interrupt", "fork", "clean", "kill")
@@ -249,7 +252,7 @@ def test_fault_at_every_step(places, place_name, action):
     assert sum(fired.values()) >= len(reachable) // 2, f"too few injections fired: {fired}"
 
 
-@pytest.mark.parametrize("place_name", ["rename", "replace", "replace-bg", "direct", "hdfs", "mountpoint"])
+@pytest.mark.parametrize("place_name", tiered(PLACE_NAMES, ci=["replace-bg", "direct", "hdfs", "mountpoint"]))
 def test_fork_at_every_step(places, place_name):
     """A child forked at any step saves a file of its own, which lands; the parent's save
     lands too; neither waits for the other's publishes."""
