@@ -33,7 +33,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from .. import _object_store
 from .._clean import remove_dead_temps
@@ -221,9 +221,8 @@ def _matches(dest: Path, entry: FileEntry) -> bool:
 
 def _fetch_file(source: ObjectURL, entry: FileEntry, dest: Path) -> None:
     """Download ``source`` into a temp beside ``dest``, check its CRC-32, rename it into place."""
-    temp = dest.parent / temp_name(dest.name)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
+
+    def fill(fd: int, temp: Path) -> None:
         claim(fd, temp)  # locked while written: `safestage clean` leaves it alone
         crc = _object_store.download(source, fd, size=entry.size, etag=entry.etag)
         if f"{crc:08x}" != entry.digest:
@@ -233,16 +232,8 @@ def _fetch_file(source: ObjectURL, entry: FileEntry, dest: Path) -> None:
                 "object that was committed",
                 str(source),
             )
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(temp, dest)
-    except BaseException:
-        with deferred():
-            if fd >= 0:
-                close_quietly(fd)
-            _unlink(temp)
-        raise
+
+    _land(dest, fill)
 
 
 def _copy_marker(checkpoint: ObjectURL, target: Path) -> None:
@@ -256,10 +247,17 @@ def _copy_marker(checkpoint: ObjectURL, target: Path) -> None:
 
 
 def _write_file(dest: Path, data: bytes) -> None:
+    _land(dest, lambda fd, temp: write_all(fd, memoryview(data)))
+    fsync_directory(dest.parent)
+
+
+def _land(dest: Path, fill: Callable[[int, Path], None]) -> None:
+    """``fill(fd, temp)`` writes a new temp beside ``dest``; fsynced, then renamed into place.
+    Any failure (or interrupt) removes the temp: a partial file never takes the name."""
     temp = dest.parent / temp_name(dest.name)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
-        write_all(fd, memoryview(data))
+        fill(fd, temp)
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -270,7 +268,6 @@ def _write_file(dest: Path, data: bytes) -> None:
                 close_quietly(fd)
             _unlink(temp)
         raise
-    fsync_directory(dest.parent)
 
 
 def _unlink(path: Path) -> None:
