@@ -9,6 +9,10 @@ the server's never interleave):
   tensors, activates staging (root probe included) and only then prints
   ``{"ready": pid}`` and blocks SIGUSR1: the test's kill window covers the save alone.
   On SIGUSR1 it saves once through safestage, prints ``{"done": pid, ...timings}`` and exits.
+  The timings include ``marks``: when (since the start) the last fsync before the rename
+  over the final name began, and when that rename began. Between the two, a complete temp
+  (or staged file) waits under its own name: the window a kill "copied-before-replace" needs,
+  which on an s3fs mount is a few ms at the end of a ~130 ms publish.
 - ``{"op": "reap", "pid"}``: waitpid the saver, print ``{"reaped": pid, "signal", "status"}``.
 - ``{"op": "quit"}`` or end of stdin: exit.
 
@@ -53,6 +57,24 @@ def make_tensors(numel: int, seed: int) -> dict[str, object]:
     }
 
 
+def _mark_publish_steps(dest: str, started: list[float], marks: dict[str, float]) -> None:
+    """Wrap os.fsync and os.replace (looked up at each call by safestage) to time the publish's
+    last steps; the marks are read only, never change what the save does."""
+    fsync, replace = os.fsync, os.replace
+
+    def timed_fsync(fd):  # type: ignore[no-untyped-def]
+        if started and "replace" not in marks:  # not the root probe's, nor the dir fsync after
+            marks["fsync"] = time.perf_counter() - started[0]
+        return fsync(fd)
+
+    def timed_replace(src, dst, **kwargs):  # type: ignore[no-untyped-def]
+        if started and os.fspath(dst) == dest and "replace" not in marks:
+            marks["replace"] = time.perf_counter() - started[0]
+        return replace(src, dst, **kwargs)
+
+    os.fsync, os.replace = timed_fsync, timed_replace  # type: ignore[assignment]
+
+
 def _saver(request: dict[str, object], server_pid: int) -> None:
     """The forked child: never returns."""
     code = 1
@@ -67,12 +89,15 @@ def _saver(request: dict[str, object], server_pid: int) -> None:
         stage = safestage._api.force_follow(
             safestage.staged(str(request["root"]), publish=request["publish"], fsync=True), request.get("follow")
         )._open()
+        started: list[float] = []
+        marks: dict[str, float] = {}
+        _mark_publish_steps(str(request["dest"]), started, marks)
         _emit({"ready": os.getpid()})
         if signal.sigtimedwait({signal.SIGUSR1}, READY_TIMEOUT_S) is None:
             os._exit(3)
-        started = time.perf_counter()
+        started.append(time.perf_counter())
         save_file(tensors, str(request["dest"]))
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started[0]
         record = stage.records[-1]
         _emit(
             {
@@ -81,6 +106,7 @@ def _saver(request: dict[str, object], server_pid: int) -> None:
                 "serialize": record.serialize_seconds,
                 "publish": record.publish_seconds,
                 "strategy": record.publish,
+                "marks": marks,
             }
         )
         code = 0

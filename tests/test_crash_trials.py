@@ -511,10 +511,14 @@ class KillPlanner:
         self.rng = random.Random(seed)
         self.serialize: list[float] = []
         self.publish: list[float] = []
+        self.waits: list[tuple[float, float]] = []  # (last fsync, rename) since the start
 
     def observe(self, done: dict[str, Any]) -> None:
         self.serialize.append(done["serialize"])
         self.publish.append(done["publish"])
+        marks = done.get("marks", {})
+        if "fsync" in marks and "replace" in marks:
+            self.waits.append((marks["fsync"], marks["replace"]))
 
     def estimate(self) -> tuple[float, float]:
         return statistics.median(self.serialize[-9:]), statistics.median(self.publish[-9:])
@@ -534,6 +538,14 @@ class KillPlanner:
         # slower (a window moved later with each miss ended after a short publish, and every
         # kill then came once the save had completed).
         stretch = 1.0 + 0.5 * attempt
+        if phase == "copied-before-replace" and self.waits:
+            # Timed by the saver itself: from its last fsync of the complete temp to its
+            # rename. On s3fs that is ~25 ms of a ~105 ms publish, which kills spread over the
+            # whole publish (aimed ones too) hit in some runs and missed all 24 in one.
+            recent = self.waits[-9:]
+            start = statistics.median(fsync for fsync, _ in recent)
+            end = statistics.median(rename for _, rename in recent)
+            return self.rng.uniform(start, max(end, start + 1e-3))
         if phase == "serializing":
             return self.rng.uniform(0.2 * s, s * stretch)
         return self.rng.uniform(s, (s + p) * stretch)
@@ -612,7 +624,11 @@ def _crash_trials(dest: Destination, server: ForkServer, trials: int) -> None:
         planner.observe(result.done)
         (dest.backing / final).unlink()
     s, p = planner.estimate()
-    tally.timing = f"a save takes ~{(s + p) * 1e3:.0f} ms (serialize {s * 1e3:.0f} ms, publish {p * 1e3:.0f} ms)"
+    tally.timing = f"a save takes ~{(s + p) * 1e3:.0f} ms (serialize {s * 1e3:.0f} ms, publish {p * 1e3:.0f} ms"
+    if planner.waits:
+        fsync, rename = (statistics.median(marks) for marks in zip(*planner.waits))
+        tally.timing += f"; the fsync before the rename at {fsync * 1e3:.0f} ms, the rename at {rename * 1e3:.0f} ms"
+    tally.timing += ")"
     probe = dest.root / "size-probe"
     save_file(make_tensors(dest.numel, 0), str(probe))
     new_size = os.stat(probe).st_size  # the same for every seed: only the values differ
