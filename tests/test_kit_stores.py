@@ -4,6 +4,7 @@ skip); the proxy's faults fire as armed and its log is what the client sent."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -24,12 +25,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _descendants(pid: int) -> list[int]:
+    """The server and every process under it. A server's worker threads and helper processes
+    come and go while /proc is read: one that ended in between has nothing left to listen on."""
     found, todo = [], [pid]
     while todo:
         current = todo.pop()
         found.append(current)
-        for task in Path(f"/proc/{current}/task").iterdir():
-            todo += [int(child) for child in (task / "children").read_text().split()]
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for task in list(Path(f"/proc/{current}/task").iterdir()):
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    todo += [int(child) for child in (task / "children").read_text().split()]
     return found
 
 
@@ -37,10 +42,12 @@ def _listening(pids: list[int]) -> list[str]:
     """The local addresses (hex ip:port, as /proc/net/tcp* writes them) the processes listen on."""
     inodes = set()
     for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            target = os.readlink(fd) if fd.is_symlink() else ""
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # ended since (see above)
+            for fd in list(Path(f"/proc/{pid}/fd").iterdir()):
+                with contextlib.suppress(FileNotFoundError):  # closed since
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
     addresses = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
