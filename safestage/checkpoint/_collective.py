@@ -67,6 +67,8 @@ HEARTBEAT = 0.25
 
 _lock = threading.Lock()
 _groups: dict[tuple[tuple[int, ...], float], Any] = {}  # (ranks, timeout) -> our gloo group
+# The works of each group's last exchange, held until its next one (see _gather).
+_held: dict[tuple[tuple[int, ...], float], tuple[Any, ...]] = {}
 
 
 class PeerLost(Lost):
@@ -125,12 +127,10 @@ class Collective:
     def exchange(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in group order (the same list on every rank). PeerLost if
         a rank died or did not answer within the timeout."""
-        gathered: list[Any] = [None] * len(self.ranks)
         try:
-            self._dist.all_gather_object(gathered, value, group=self.group)
+            return _gather(self._dist, self.group, (self.ranks, self.timeout), value)
         except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out", ...
             raise self._lost(exc) from exc
-        return gathered
 
     # -- the agreement points (_sequence.Peers) --------------------------------------------------
 
@@ -389,6 +389,44 @@ def _landed_with(
     return found
 
 
+def _gather(dist: Any, group: Any, key: tuple[tuple[int, ...], float], value: Any) -> list[Any]:
+    """``all_gather_object``, except that each collective's work stays referenced here until the
+    group's next exchange (or the group is forgotten).
+
+    gloo's worker thread drops its reference to a work a moment after the caller's wait()
+    returns. If that is the last one, the work's tensors are freed there, which takes the GIL
+    to release their Python objects; when the rank is by then exiting (a commit that raised,
+    caught, and the script ending within milliseconds), the interpreter's finalization ends
+    that thread mid-destructor and the process aborts ("terminate called without an active
+    exception", SIGABRT; pytorch/pytorch#179291). Held here, a work and its tensors are freed
+    by Python, on a thread that holds the GIL."""
+    import pickle
+
+    import torch
+
+    payload = pickle.dumps(value)
+    size = dist.get_world_size(group)
+    mine = torch.tensor([len(payload)], dtype=torch.long)
+    lengths = torch.zeros(size, dtype=torch.long)
+    work = dist.all_gather([lengths[i : i + 1] for i in range(size)], mine, group=group, async_op=True)
+    with _lock:
+        _held[key] = (work,)  # the previous exchange's go
+    work.wait()
+    longest = int(lengths.max())
+    sent = torch.zeros(longest, dtype=torch.uint8)
+    sent[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    received = torch.empty(longest * size, dtype=torch.uint8)
+    views = [received[i * longest : (i + 1) * longest] for i in range(size)]
+    second = dist.all_gather(views, sent, group=group, async_op=True)
+    with _lock:
+        _held[key] = (work, second)
+    second.wait()
+    return [
+        pickle.loads(views[i][: int(lengths[i])].numpy().tobytes())  # the job's own ranks, as all_gather_object
+        for i in range(size)
+    ]
+
+
 def _describe(exc: Optional[BaseException]) -> str:
     if exc is None:
         return ""
@@ -420,6 +458,7 @@ def _own_group(dist: Any, ranks: tuple[int, ...], timeout: float) -> Any:
 def _forget(ranks: tuple[int, ...], timeout: float) -> None:
     with _lock:
         broken = _groups.pop((ranks, timeout), None)
+        _held.pop((ranks, timeout), None)
     if broken is not None:
         try:
             import torch.distributed as dist
@@ -434,3 +473,4 @@ def after_fork_in_child() -> None:  # registered by _lifecycle
     global _lock
     _lock = threading.Lock()
     _groups.clear()
+    _held.clear()
