@@ -4,8 +4,9 @@ they wrote and its clashes, the heartbeat while they publish, and naming the ran
 
 Every rank of the group enters with the same ``dest`` and writes its own files into a local
 directory under its own node's staging root (nodes need not share one; the destination may be
-the only filesystem they share). Each agreement point of the sequence is one
-``all_gather_object`` on a gloo group of safestage's own, made once per group:
+the only filesystem they share). Each agreement point of the sequence is one all-gather of
+objects (``_gather``: ``all_gather_object``'s way, its works kept until the next one) on a gloo
+group of safestage's own, made once per group:
 
 - gloo runs on CPU whatever the job's backend is (NCCL object collectives would need a GPU
   per call), and DCP's ``async_save`` does the same for the same reason;
