@@ -400,7 +400,12 @@ def _gather(dist: Any, group: Any, key: tuple[tuple[int, ...], float], value: An
     caught, and the script ending within milliseconds), the interpreter's finalization ends
     that thread mid-destructor and the process aborts ("terminate called without an active
     exception", SIGABRT; pytorch/pytorch#179291). Held here, a work and its tensors are freed
-    by Python, on a thread that holds the GIL."""
+    by Python, on a thread that holds the GIL.
+
+    What is held between commits: the last exchange's buffers, the group's size times its
+    largest payload (the commit step's is the manifest): 0.7 MB per rank for 2,000 files on 2
+    ranks, 2.7 MB on 4; about 85 bytes x ranks x all files. torch's all_gather_object
+    allocates the same at each exchange's peak."""
     import pickle
 
     import torch
@@ -458,8 +463,9 @@ def _own_group(dist: Any, ranks: tuple[int, ...], timeout: float) -> Any:
 
 def _forget(ranks: tuple[int, ...], timeout: float) -> None:
     with _lock:
+        # Its held works stay until a new group's first exchange, or exit: dropped now, right
+        # after the failed wait, gloo's thread could free them during finalization (_gather).
         broken = _groups.pop((ranks, timeout), None)
-        _held.pop((ranks, timeout), None)
     if broken is not None:
         try:
             import torch.distributed as dist
