@@ -392,7 +392,7 @@ def _landed_with(
 
 def _gather(dist: Any, group: Any, key: tuple[tuple[int, ...], float], value: Any) -> list[Any]:
     """``all_gather_object``, except that each collective's work stays referenced here until the
-    group's next exchange (or the group is forgotten).
+    next exchange over the same ranks (a lost group's too: see _forget), or exit.
 
     gloo's worker thread drops its reference to a work a moment after the caller's wait()
     returns. If that is the last one, the work's tensors are freed there, which takes the GIL
