@@ -9,8 +9,10 @@ Python 3.9 and no dependency for users of paths.
 
 An object PUT is atomic on all three stores: a reader sees the old object or the new one,
 never part of one. A failed multipart upload is aborted by obstore and publishes nothing of
-itself; one cut short by a kill is invisible and costs storage until the bucket's lifecycle
-rule for incomplete multipart uploads removes it (docs/object-stores.md).
+itself; one cut short by a kill is invisible to a LIST and costs storage until it is aborted:
+on S3, retention aborts those below a checkpoint it removes (``uploads_in_flight``, sent by
+``_s3_uploads``: obstore has no request for it); elsewhere, and on S3 without static keys, the
+bucket's lifecycle rule for incomplete multipart uploads removes them (docs/object-stores.md).
 
 Credentials and endpoints come from each store's standard environment (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``; the
@@ -34,8 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from . import _s3_uploads
 from ._destination import SCHEMES, ObjectURL, url_of
 from ._errors import ConfigError, PublishError
+from ._s3_uploads import InFlight
 
 log = logging.getLogger("safestage")
 
@@ -507,6 +511,71 @@ def delete(urls: list[ObjectURL]) -> None:
         raise _error(exc, urls[0] if len(urls) == 1 else urls[0].parent, "delete") from exc
 
 
+# -- multipart uploads a killed writer left in flight -------------------------------------------------
+
+_said: set[tuple[str, str, str]] = set()  # (scheme, bucket, why) already said at WARNING
+
+
+def uploads_in_flight(url: ObjectURL) -> Optional[list[InFlight]]:
+    """The multipart uploads begun below ``url`` (its prefix) and neither completed nor aborted:
+    a killed writer's, or a live one's. None where this process cannot list them, and then
+    nothing is to be aborted here: GCS and Azure (obstore has no request for it; GCS's lifecycle
+    rule removes them, Azure discards uncommitted blocks after a week), and S3 with credentials
+    other than static keys or a policy that refuses the request (said once, at WARNING, with
+    what to do). Never raises for them: they cost storage, never a checkpoint, and must not stop
+    a retention that removes data."""
+    if url.scheme != "s3":
+        return None
+    with _lock:
+        options = dict(_options.get((url.scheme, url.bucket), {}))
+    reach = _s3_uploads.access(url.bucket, options, os.environ)
+    if isinstance(reach, str):
+        _say_once(url, reach)
+        return None
+    try:
+        return list(_s3_uploads.in_flight(url, reach))
+    except OSError as exc:
+        _say_once(url, _without_secrets(str(exc)), exc.errno)
+        return None
+
+
+def abort_uploads(uploads: list[InFlight]) -> list[InFlight]:
+    """Abort each of ``uploads`` (S3, listed by ``uploads_in_flight``); return those aborted (or
+    gone meanwhile). One the store refuses is said once, at WARNING, and left."""
+    aborted = []
+    for upload in uploads:
+        with _lock:
+            options = dict(_options.get((upload.url.scheme, upload.url.bucket), {}))
+        reach = _s3_uploads.access(upload.url.bucket, options, os.environ)
+        if isinstance(reach, str):
+            break  # the listing said why
+        try:
+            _s3_uploads.abort(upload, reach)
+        except OSError as exc:
+            _say_once(upload.url, _without_secrets(str(exc)), exc.errno)
+            continue
+        aborted.append(upload)
+    return aborted
+
+
+def _say_once(url: ObjectURL, why: str, code: Optional[int] = None) -> None:
+    """One WARNING per bucket and kind of trouble, per process: a retention runs each commit."""
+    advice = {
+        errno.EACCES: ", or grant s3:ListBucketMultipartUploads and s3:AbortMultipartUpload on the bucket",
+    }.get(code or 0, "")
+    key = (url.scheme, url.bucket, str(code) if code is not None else why)
+    with _lock:
+        if key in _said:
+            return
+        _said.add(key)
+    log.warning(
+        "safestage: retention in %s://%s/ leaves the multipart uploads a killed save left in "
+        "flight: %s. They cost storage until aborted, never a checkpoint: add the bucket's "
+        "lifecycle rule for incomplete multipart uploads (docs/object-stores.md)%s.",
+        url.scheme, url.bucket, why.rstrip("."), advice,
+    )  # fmt: skip
+
+
 # -- errors ------------------------------------------------------------------------------------------
 
 
@@ -574,11 +643,16 @@ def _answer(exc: BaseException) -> str:
     text = str(exc).split("\n\nDebug source:")[0].strip()
     line = " ".join(text.split())
     # S3's XML error body: its code and message say it; request and host ids say nothing.
-    line = _XML_ERROR.sub(lambda m: f"{m['code']}: {m['message']}", line)
+    line = _without_secrets(_XML_ERROR.sub(lambda m: f"{m['code']}: {m['message']}", line))
+    return line[:600] + (" ..." if len(line) > 600 else "")
+
+
+def _without_secrets(line: str) -> str:
+    """``line`` with every configured option value blanked."""
     for options in list(_options.values()):
         for value in _secret_values(options):
             line = line.replace(value, "***")
-    return line[:600] + (" ..." if len(line) > 600 else "")
+    return line
 
 
 def _secret_values(options: Mapping[str, Any]) -> Iterator[str]:

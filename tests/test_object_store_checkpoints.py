@@ -196,18 +196,23 @@ def test_prune_of_a_run_url_removes_commit_object_first_and_never_a_foreign_key(
     assert removed == [url(f"{run}/checkpoint-{n}") for n in (0, 1, 2)]
     assert sorted(keys(bucket)) == sorted([f"run/{key}" for key in FOREIGN] + [
         f"run/checkpoint-{n}/{name}" for n in (3, 4) for name in (COMMIT_NAME, "model.safetensors", "trainer_state.json")])
-    # Oldest first, each removal its own LIST of its prefix, then, where there is a commit object,
-    # a delete of it alone before the delete of the rest.
+    # Oldest first, each removal (on S3, its multipart uploads in flight listed first: there are
+    # none) its own LIST of its prefix, then, where there is a commit object, a delete of it
+    # alone before the delete of the rest.
     removal = []
     for r in store_proxy.requests():
-        if r.method == "GET" and r.query.get("prefix", "").startswith("run/checkpoint-"):
+        if r.method == "GET" and "uploads" in r.query:
+            if r.query.get("prefix", "").startswith("run/checkpoint-"):
+                removal.append(("UPLOADS", r.query["prefix"]))
+        elif r.method == "GET" and r.query.get("prefix", "").startswith("run/checkpoint-"):
             removal.append(("LIST", r.query["prefix"]))
         elif (r.method == "POST" and "delete" in r.query) or r.method == "DELETE":
             removal.append(("DELETE", COMMIT_NAME if r.path.endswith(COMMIT_NAME) else "data"))
     data, commit_object = ("DELETE", "data"), ("DELETE", COMMIT_NAME)
     if bucket.server.scheme == "s3":  # batched deletes (POST ?delete): the commit object's alone, then the rest
-        assert removal == [("LIST", "run/checkpoint-0/"), data, ("LIST", "run/checkpoint-1/"), data, data,
-                           ("LIST", "run/checkpoint-2/"), data, data], removal  # fmt: skip
+        assert removal == [("UPLOADS", "run/checkpoint-0/"), ("LIST", "run/checkpoint-0/"), data,
+                           ("UPLOADS", "run/checkpoint-1/"), ("LIST", "run/checkpoint-1/"), data, data,
+                           ("UPLOADS", "run/checkpoint-2/"), ("LIST", "run/checkpoint-2/"), data, data], removal  # fmt: skip
     else:  # GCS has no batched delete: one DELETE an object
         assert removal == [("LIST", "run/checkpoint-0/"), data, ("LIST", "run/checkpoint-1/"), commit_object, data, data,
                            ("LIST", "run/checkpoint-2/"), commit_object, data, data], removal  # fmt: skip

@@ -46,9 +46,14 @@ whose name the pattern does not take, even one sharing a checkpoint's name as a 
 (``checkpoint-100-merged/``, a plain object ``checkpoint-100``), is never read nor removed. A
 removal deletes the commit object first, in a request of its own, then every other object below
 the checkpoint's prefix (listed again, so that nothing listed since is left behind) in batched
-deletes. Multipart uploads a killed writer left unfinished are not visible to a LIST, and
-obstore cannot list nor abort them: the bucket's lifecycle rule for incomplete multipart uploads
-removes them (docs/retention.md).
+deletes. Multipart uploads a killed writer left in flight are part of its checkpoint too: on
+S3 a prune lists them (ListMultipartUploads of the run, one request a page), counts a checkpoint
+that has nothing else (killed during its first large file) as an incomplete one, and a removal
+aborts every upload below the checkpoint's prefix (listed again) before it deletes the commit
+object and the rest. Uploads below a checkpoint that stays (the newest complete one, a save in
+progress) or below a name the pattern does not take are never aborted. Where they cannot be
+listed (GCS, Azure, S3 without static keys: ``_object_store.uploads_in_flight``) the bucket's
+lifecycle rule for incomplete multipart uploads removes them (docs/object-stores.md).
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ from ._verify import (
     check_pattern,
     describe_error,
     marker_problem,
+    matcher,
     read_commit,
     read_commit_object,
     run_listing,
@@ -275,6 +281,7 @@ def plan(
     run = url_of(parent)
     if run is not None:  # one LIST of the run; its objects by checkpoint
         steps, below = run_listing(run, pattern)
+        _add_upload_only(run, pattern, steps, below)
         base = kernel_base = run
         inspect = lambda name, step: _inspect_objects(run, name, step, below[name])  # noqa: E731
     else:
@@ -336,6 +343,19 @@ def plan(
         else:
             decisions.append(Decision(path, "remove", wanted[c.name]))
     return decisions
+
+
+def _add_upload_only(run: ObjectURL, pattern: str, steps: dict[str, int], below: dict[str, Listed]) -> None:
+    """Add to ``run_listing``'s checkpoints those that are nothing but multipart uploads in
+    flight (a save killed during its first large file): incomplete ones, with no objects."""
+    takes = matcher(pattern)
+    for upload in _object_store.uploads_in_flight(run) or ():
+        name, slash, rest = upload.url.relative_to(run).partition("/")
+        if not slash or not rest or name in steps:
+            continue
+        step = takes(name)
+        if step is not None:
+            steps[name], below[name] = step, {}
 
 
 def _inspect(base: Path, name: str, step: int) -> Optional[_Candidate]:
@@ -480,6 +500,13 @@ def remove_checkpoint(path: Destination, removed_before: Removed = ()) -> None:
 def _remove_objects(checkpoint: ObjectURL, removed_before: Removed) -> None:
     commit_removed = False
     try:
+        # Its multipart uploads in flight first: one that completes after the listing below
+        # would leave an object behind, one aborted first never lands.
+        uploads = _object_store.uploads_in_flight(checkpoint) or []
+        aborted = _object_store.abort_uploads(uploads)
+        if aborted:
+            log.info("safestage.prune: aborted %d multipart upload(s) in flight below %s: %s", len(aborted),
+                     checkpoint, ", ".join(upload.url.key for upload in aborted))  # fmt: skip
         objects = _object_store.listing(checkpoint)  # below "run/name/" only: never a sibling
         commit = checkpoint / COMMIT_NAME
         if any(info.key == commit.key for info in objects):

@@ -86,6 +86,15 @@ class S3Store(SupervisedServer):
         root = ET.fromstring(self._request("GET", f"/{bucket}?uploads="))
         return sorted(upload.findtext(f"{_NS}Key") or "" for upload in root.iter(f"{_NS}Upload"))
 
+    def begin_upload(self, bucket: str, key: str, part: bytes = b"a part") -> str:
+        """Begin a multipart upload of ``key`` and upload one ``part`` of it, never completed:
+        what a writer killed during its upload leaves. Returns its upload id."""
+        root = ET.fromstring(self._request("POST", f"/{bucket}/{_quote(key)}?uploads="))
+        upload_id = root.findtext(f"{_NS}UploadId") or ""
+        query = urllib.parse.urlencode({"partNumber": "1", "uploadId": upload_id})
+        self._request("PUT", f"/{bucket}/{_quote(key)}?{query}", part)
+        return upload_id
+
     def delete_bucket(self, bucket: str) -> None:
         """Abort its multipart uploads, delete every object in ``bucket``, then the bucket."""
         root = ET.fromstring(self._request("GET", f"/{bucket}?uploads="))
@@ -100,7 +109,11 @@ class S3Store(SupervisedServer):
         if not self.endpoint:
             raise S3Error(f"{self.name} not started ({method} {target})")
         url = self.endpoint + target
-        headers = sigv4_headers(method, url, access_key=ACCESS_KEY, secret_key=SECRET_KEY, region=REGION, body=body)
+        # An explicit type: urllib would send a body as application/x-www-form-urlencoded, which
+        # moto tries to parse as a form (a 500 on UploadPart).
+        typed = {"Content-Type": "application/octet-stream"} if body else None
+        headers = sigv4_headers(method, url, access_key=ACCESS_KEY, secret_key=SECRET_KEY, region=REGION, body=body,
+                                headers=typed)  # fmt: skip
         try:
             return http_request(method, url, headers=headers, body=body, what=f"{self.name} at {self.endpoint}")
         except StoreRequestError as exc:
