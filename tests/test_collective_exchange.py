@@ -1,7 +1,8 @@
-"""A collective commit's exchanges (``_collective._gather``) give every rank what torch's own
-``all_gather_object`` gives, and what the ranks sent, on 3 real gloo ranks over 40 seeded
-rounds of uneven payloads (None, empty, one byte, up to a megabyte, nested, unicode); after
-them, the works of one group are held (the last exchange's, replaced at each)."""
+"""A collective commit's exchanges (``_collective._gather``, ``_broadcast``) give every rank what
+torch's own ``all_gather_object`` and ``broadcast_object_list`` give, and what the ranks sent,
+on 3 real gloo ranks over 40 seeded rounds of uneven payloads (None, empty, one byte, up to a
+megabyte, nested, unicode); after them, the works of one group are held (the last exchange's,
+replaced at each), and what a broadcast leaves held is one payload, not one per rank."""
 
 from __future__ import annotations
 
@@ -60,9 +61,26 @@ def _rank(rank: int, init: str, out: str) -> None:
         dist.all_gather_object(theirs, values[rank], group=group)
         if ours != theirs or ours != values:
             mismatches.append(round_)
+        source = round_ % RANKS
+        announced = _collective._broadcast(dist, group, key, values[rank], source)
+        sent = [values[rank]]
+        dist.broadcast_object_list(sent, src=source, group=group)
+        if announced != sent[0] or announced != values[source]:
+            mismatches.append(f"broadcast {round_}")
     held = len(_collective._held)
+    manifest = b"m" * (1 << 20)  # the commit step's word: the coordinator's manifest, others nothing
+    _collective._gather(dist, group, key, manifest if rank == 0 else "")
+    gathered = _held_bytes(_collective._held[key])
+    _collective._broadcast(dist, group, key, manifest if rank == 0 else "", 0)
+    announced_held = _held_bytes(_collective._held[key])
     dist.destroy_process_group()
-    Path(out).write_text(f"{mismatches} {held}")
+    Path(out).write_text(f"{mismatches} {held} {gathered >= RANKS << 20} {announced_held < (1 << 20) + 4096}")
+
+
+def _held_bytes(held: tuple[Any, ...]) -> int:
+    import torch
+
+    return sum(item.nbytes for item in held if isinstance(item, torch.Tensor))
 
 
 def test_every_rank_gets_what_all_gather_object_gives_for_any_payloads(tmp_path: Path) -> None:
@@ -77,5 +95,6 @@ def test_every_rank_gets_what_all_gather_object_gives_for_any_payloads(tmp_path:
     for process in ranks:
         process.join(180)
     assert [process.exitcode for process in ranks] == [0] * RANKS
-    # No round differs from all_gather_object nor from what was sent; one group's works held.
-    assert [out.read_text() for out in outs] == ["[] 1"] * RANKS
+    # No round differs from all_gather_object / broadcast_object_list nor from what was sent;
+    # one group's works held; a gather of a 1 MiB word holds it once per rank, a broadcast once.
+    assert [out.read_text() for out in outs] == ["[] 1 True True"] * RANKS
