@@ -473,7 +473,11 @@ def listing(url: ObjectURL, *, pages: Optional[list[int]] = None) -> list[Object
         for page in obstore.list(_store(url), prefix=url.prefix or None, chunk_size=PAGE):
             if pages is not None:
                 pages.append(len(page))
-            found.extend(_info(meta) for meta in page)
+            # A folder marker of the prefix itself (the key "run/checkpoint-1/", made by the S3
+            # console's "Create folder" or s3fs's mkdir) comes back from obstore without its
+            # "/", as "run/checkpoint-1": not below the prefix, and not that object either (a
+            # delete of it would remove a plain object of that name, never the marker).
+            found.extend(info for info in map(_info, page) if not url.key or info.key.startswith(url.prefix))
     except Exception as exc:
         if not _from_store(exc):
             raise
