@@ -473,7 +473,11 @@ def listing(url: ObjectURL, *, pages: Optional[list[int]] = None) -> list[Object
         for page in obstore.list(_store(url), prefix=url.prefix or None, chunk_size=PAGE):
             if pages is not None:
                 pages.append(len(page))
-            found.extend(_info(meta) for meta in page)
+            # A folder marker of the prefix itself (the key "run/checkpoint-1/", made by the S3
+            # console's "Create folder" or s3fs's mkdir) comes back from obstore without its
+            # "/", as "run/checkpoint-1": not below the prefix, and not that object either (a
+            # delete of it would remove a plain object of that name, never the marker).
+            found.extend(info for info in map(_info, page) if not url.key or info.key.startswith(url.prefix))
     except Exception as exc:
         if not _from_store(exc):
             raise
@@ -513,62 +517,70 @@ def delete(urls: list[ObjectURL]) -> None:
 
 # -- multipart uploads a killed writer left in flight -------------------------------------------------
 
-_said: set[tuple[str, str, str]] = set()  # (scheme, bucket, why) already said at WARNING
+_said: set[tuple[str, str, str, str]] = set()  # (scheme, bucket, operation, trouble) already said
 
 
 def uploads_in_flight(url: ObjectURL) -> Optional[list[InFlight]]:
     """The multipart uploads begun below ``url`` (its prefix) and neither completed nor aborted:
     a killed writer's, or a live one's. None where this process cannot list them, and then
-    nothing is to be aborted here: GCS and Azure (obstore has no request for it; GCS's lifecycle
-    rule removes them, Azure discards uncommitted blocks after a week), and S3 with credentials
-    other than static keys or a policy that refuses the request (said once, at WARNING, with
-    what to do). Never raises for them: they cost storage, never a checkpoint, and must not stop
-    a retention that removes data."""
-    if url.scheme != "s3":
+    nothing is to be aborted here: on Azure there is nothing to abort (the service discards
+    uncommitted blocks after 7 days); on GCS obstore has no request for it and its OAuth token
+    is not handed out (said once, at INFO: its lifecycle rule removes them); on S3 without
+    static keys, or where the store refuses or fails the request (said once, at WARNING, with
+    what to do). Never raises for them: they cost storage, never a checkpoint, and must not
+    stop a retention that removes data."""
+    if url.scheme == "az":
         return None
-    with _lock:
-        options = dict(_options.get((url.scheme, url.bucket), {}))
-    reach = _s3_uploads.access(url.bucket, options, os.environ)
+    if url.scheme != "s3":
+        _say_once(url, "list", "safestage does not list them on GCS (obstore has no request for it)", level=logging.INFO)
+        return None
+    reach = _s3_access(url)
     if isinstance(reach, str):
-        _say_once(url, reach)
+        _say_once(url, "list", reach)
         return None
     try:
         return list(_s3_uploads.in_flight(url, reach))
     except OSError as exc:
-        _say_once(url, _without_secrets(str(exc)), exc.errno)
+        _say_once(url, "list", _without_secrets(str(exc)), exc.errno)
         return None
 
 
 def abort_uploads(uploads: list[InFlight]) -> list[InFlight]:
     """Abort each of ``uploads`` (S3, listed by ``uploads_in_flight``); return those aborted (or
-    gone meanwhile). One the store refuses is said once, at WARNING, and left."""
+    gone meanwhile). One the store refuses or fails is said once, at WARNING, and left."""
     aborted = []
     for upload in uploads:
-        with _lock:
-            options = dict(_options.get((upload.url.scheme, upload.url.bucket), {}))
-        reach = _s3_uploads.access(upload.url.bucket, options, os.environ)
+        reach = _s3_access(upload.url)
         if isinstance(reach, str):
             break  # the listing said why
         try:
             _s3_uploads.abort(upload, reach)
         except OSError as exc:
-            _say_once(upload.url, _without_secrets(str(exc)), exc.errno)
+            _say_once(upload.url, "abort", _without_secrets(str(exc)), exc.errno)
             continue
         aborted.append(upload)
     return aborted
 
 
-def _say_once(url: ObjectURL, why: str, code: Optional[int] = None) -> None:
-    """One WARNING per bucket and kind of trouble, per process: a retention runs each commit."""
+def _s3_access(url: ObjectURL) -> Any:
+    with _lock:
+        options = dict(_options.get((url.scheme, url.bucket), {}))
+    return _s3_uploads.access(url.bucket, options, os.environ)
+
+
+def _say_once(url: ObjectURL, operation: str, why: str, code: Optional[int] = None, *,
+              level: int = logging.WARNING) -> None:  # fmt: skip
+    """Once per bucket, operation and kind of trouble, per process: a retention runs each commit."""
     advice = {
         errno.EACCES: ", or grant s3:ListBucketMultipartUploads and s3:AbortMultipartUpload on the bucket",
     }.get(code or 0, "")
-    key = (url.scheme, url.bucket, str(code) if code is not None else why)
+    key = (url.scheme, url.bucket, operation, str(code) if code is not None else why)
     with _lock:
         if key in _said:
             return
         _said.add(key)
-    log.warning(
+    log.log(
+        level,
         "safestage: retention in %s://%s/ leaves the multipart uploads a killed save left in "
         "flight: %s. They cost storage until aborted, never a checkpoint: add the bucket's "
         "lifecycle rule for incomplete multipart uploads (docs/object-stores.md)%s.",

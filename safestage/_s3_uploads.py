@@ -19,6 +19,7 @@ the URL, the operation and the store's answer, never a secret.
 from __future__ import annotations
 
 import errno
+import http.client
 import re
 import ssl
 import urllib.error
@@ -32,6 +33,8 @@ from typing import Any, Optional, Union
 from ._destination import ObjectURL
 from ._sigv4 import sigv4_headers
 
+# Uploads a ListMultipartUploads page asks for (S3's maximum; a store may send fewer).
+PAGE_UPLOADS = 1000
 # One request's limit: these are small (a page of uploads, an abort), and retention must not
 # hang a commit's thread on a store that stopped answering.
 TIMEOUT = 60.0
@@ -94,26 +97,31 @@ def access(bucket: str, options: Mapping[str, Any], environ: Mapping[str, str]) 
 
 
 def in_flight(where: ObjectURL, reach: Access) -> Iterator[InFlight]:
-    """The multipart uploads in flight below ``where`` (its prefix), page by page (S3: 1,000
-    uploads a request), in the store's order."""
+    """The multipart uploads in flight below ``where`` (its prefix), page by page
+    (``PAGE_UPLOADS`` a request), each once."""
     marker: dict[str, str] = {}
+    seen: set[tuple[str, str]] = set()
     while True:
-        query = {"uploads": "", "prefix": where.prefix if where.key else "", **marker}
+        query = {"uploads": "", "prefix": where.prefix if where.key else "", "max-uploads": str(PAGE_UPLOADS), **marker}
         root = _xml(_send("GET", reach, "", query, where, "list the multipart uploads below"))
+        new, last = 0, ("", "")
         for upload in _children(root, "Upload"):
             key, upload_id = _text(upload, "Key"), _text(upload, "UploadId")
             if key is None or not upload_id:
                 continue
+            last = (key, upload_id)
             # A store that ignores the prefix would hand back the whole bucket's: only ours.
-            if where.key and not key.startswith(where.prefix):
+            if (where.key and not key.startswith(where.prefix)) or last in seen:
                 continue
+            seen.add(last)
+            new += 1
             yield InFlight(ObjectURL(where.scheme, where.bucket, key), upload_id)
-        if _text(root, "IsTruncated") != "true":
-            return
-        next_key, next_id = _text(root, "NextKeyMarker"), _text(root, "NextUploadIdMarker")
-        if not next_key:
-            return  # a truncated page with no marker: asking again would loop
-        marker = {"key-marker": next_key, "upload-id-marker": next_id or ""}
+        if _text(root, "IsTruncated") != "true" or not new:
+            return  # the last page, or one that brought nothing new: asking again would loop
+        # S3 pages by key, then upload id, and names both markers; seaweedfs pages by upload id
+        # alone, names only that marker, and lists nothing after a key-marker it was sent.
+        next_key, next_id = _text(root, "NextKeyMarker"), _text(root, "NextUploadIdMarker") or last[1]
+        marker = {"key-marker": next_key, "upload-id-marker": next_id} if next_key else {"upload-id-marker": next_id}
 
 
 def abort(upload: InFlight, reach: Access) -> None:
@@ -156,6 +164,9 @@ def _send(method: str, reach: Access, key: str, query: Mapping[str, str], url: O
     except (urllib.error.URLError, OSError) as exc:
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
         raise UploadRequestError(errno.EIO, f"could not {operation} {url}: {reason}") from None
+    except (http.client.HTTPException, ValueError) as exc:  # an answer cut short or malformed
+        raise UploadRequestError(errno.EIO, f"could not {operation} {url}: the store's answer was "
+                                 f"unreadable ({type(exc).__name__}: {exc})") from None  # fmt: skip
 
 
 def _errno_of(status: int, code: Optional[str]) -> int:

@@ -253,31 +253,40 @@ def prune_examples() -> int:
 
 
 _NAME = st.one_of(
+    st.sampled_from(["checkpoint-1", "checkpoint-2", "checkpoint-3"]),  # a checkpoint's own name
     st.text(alphabet="checkpoint-_.e0123456789٣", min_size=1, max_size=16),
     st.builds("checkpoint-{}{}".format, st.integers(0, 3), st.text(alphabet="-_.xe0123456789", min_size=1, max_size=4)),
 )
+# Objects whose names the pattern does not take, and plain objects (no "/" after the name)
+# whose names it does take: neither is a checkpoint.
 _FOREIGN = st.tuples(_NAME, st.sampled_from(["", "/model.safetensors", f"/{COMMIT_NAME}", "/sub/x.bin"])).filter(
-    lambda item: matcher("checkpoint-*")(item[0]) is None and item[0] not in (".", ".."))
+    lambda item: (matcher("checkpoint-*")(item[0]) is None or not item[1]) and item[0] not in (".", ".."))
 
 
 @settings(max_examples=prune_examples(), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
-@given(foreign=st.lists(_FOREIGN, min_size=1, max_size=5, unique_by=lambda item: item[0]), keep=st.integers(1, 2))
+@given(foreign=st.lists(_FOREIGN, min_size=1, max_size=5, unique_by=lambda item: item[0]), keep=st.integers(1, 2),
+       markers=st.booleans())  # fmt: skip
 def test_prune_on_a_url_never_touches_a_name_its_pattern_does_not_take(
-    bucket: StoreBucket, root: Path, foreign: list[tuple[str, str]], keep: int
+    bucket: StoreBucket, root: Path, foreign: list[tuple[str, str]], keep: int, markers: bool
 ) -> None:
     run = f"{bucket.url}/run-{uuid.uuid4().hex[:8]}"
+    prefix = url(run).prefix
     for step in (1, 2, 3):
         commit(f"{run}/checkpoint-{step}", root, step, size=4)
     placed = {}
     for name, tail in foreign:
-        placed[f"{name}{tail}"] = _object_store.put_bytes(url(f"{run}/{name}{tail}"), f"{name}{tail}".encode())
+        placed[f"{name}{tail}"] = f"{name}{tail}".encode()
+        _object_store.put_bytes(url(f"{run}/{name}{tail}"), placed[f"{name}{tail}"])
+    put_marker = getattr(bucket.server, "put_object", None)  # S3's kit: folder markers (the console's, s3fs's)
+    if markers and put_marker is not None:
+        for name in [name for name, _ in foreign] + [f"checkpoint-{n}" for n in (1, 2, 3)]:
+            put_marker(bucket.name, f"{prefix}{name}/")
     safestage.prune(run, keep=keep)
-    prefix = url(run).prefix
-    left = {info.key[len(prefix):]: info.etag for info in _object_store.listing(url(run))}
-    assert {key: left.get(key) for key in placed} == placed  # every foreign object, as it was
+    assert {key: _object_store.read(url(f"{run}/{key}")) for key in placed} == placed  # every foreign object, as it was
     assert safestage.latest_complete(run) == url(f"{run}/checkpoint-3")
-    assert {key.split("/")[0] for key in left if key.startswith("checkpoint-") and matcher("checkpoint-*")(key.split("/")[0]) is not None} \
+    left = [key[len(prefix):] for key in keys(bucket) if key.startswith(prefix)]
+    assert {key.split("/")[0] for key in left if "/" in key.rstrip("/") and matcher("checkpoint-*")(key.split("/")[0]) is not None} \
         == {f"checkpoint-{n}" for n in range(4 - keep, 4)}
 
 

@@ -110,3 +110,34 @@ def test_a_commit_object_whose_first_put_landed_unanswered_is_this_writers_and_t
     first, again = [r.status for r in store_proxy.requests(method="PUT", path=COMMIT_NAME)]
     assert first == 500 and again in (409, 412), (first, again)  # Azure: 409 BlobAlreadyExists
     assert safestage.verify(f"{run}/checkpoint-1").complete
+
+
+@pytest.mark.stores("moto", "seaweedfs", why="the folder markers are put by the kit's S3 requests (obstore cannot name a key ending in '/')")
+@pytest.mark.regression("issue 31: a folder marker made prune delete a plain object of the checkpoint's name")
+def test_folder_markers_are_no_objects_and_prune_never_removes_a_plain_object_of_a_checkpoints_name(
+    store_bucket: StoreBucket, root: Path, tmp_path: Path
+) -> None:
+    """The S3 console's "Create folder" and s3fs's mkdir leave zero-byte keys ending in "/";
+    obstore lists "run/checkpoint-1/" as "run/checkpoint-1", the name of a plain object."""
+    run, server = f"{store_bucket.url}/run", store_bucket.server
+    for step in (1, 2):
+        with safestage.staged_dir(f"{run}/checkpoint-{step}", root) as local:
+            (local / "a.bin").write_bytes(bytes([step]) * 10)
+            (local / "sub").mkdir()
+            (local / "sub" / "b.bin").write_bytes(b"b")
+    markers = ["run/", "run/checkpoint-1/", "run/checkpoint-2/", "run/checkpoint-2/sub/", "run/checkpoint-3/"]
+    for marker in markers:
+        server.put_object(store_bucket.name, marker)
+    server.put_object(store_bucket.name, "run/checkpoint-1", b"notes on step 1: no checkpoint")
+    assert str(safestage.latest_complete(run)) == f"{run}/checkpoint-2"
+    checked = safestage.verify(f"{run}/checkpoint-2")
+    assert checked.complete and checked.extra == [], checked
+    assert [str(path) for path in safestage.prune(run, keep=1)] == [f"{run}/checkpoint-1"]
+    second = [f"run/checkpoint-2/{name}" for name in (COMMIT_NAME, "a.bin", "sub/b.bin")]
+    # Every other marker stays (obstore cannot name them); the removed checkpoint's own stays on
+    # S3 and goes on seaweedfs, whose filer drops a directory left empty.
+    left = [key for key in store_bucket.objects() if key != "run/checkpoint-1/"]
+    assert left == sorted([m for m in markers if m != "run/checkpoint-1/"] + ["run/checkpoint-1"] + second)
+    assert _object_store.read(_object_store.url_of(f"{run}/checkpoint-1")) == b"notes on step 1: no checkpoint"  # type: ignore[arg-type]
+    fetched = safestage.fetch(run, tmp_path / "resume")
+    assert (fetched / "a.bin").read_bytes() == b"\x02" * 10 and (fetched / "sub" / "b.bin").read_bytes() == b"b"

@@ -101,8 +101,11 @@ _FOREIGN = st.sampled_from(["checkpoint-2-merged/a.bin", "checkpoint-/a.bin", "e
     keep=st.integers(1, 2),
 )
 def test_prune_aborts_exactly_the_uploads_below_the_checkpoints_it_removes(
-    store_bucket: StoreBucket, root: Path, states: list[str], extra_upload: list[bool], foreign: list[str], keep: int
-) -> None:
+    store_bucket: StoreBucket, root: Path, monkeypatch: pytest.MonkeyPatch,
+    states: list[str], extra_upload: list[bool], foreign: list[str], keep: int,
+) -> None:  # fmt: skip
+    # Pages of 2 uploads: seaweedfs pages by upload id alone (moto sends every upload at once).
+    monkeypatch.setattr(_s3_uploads, "PAGE_UPLOADS", 2)
     run = f"{store_bucket.url}/run-{uuid.uuid4().hex[:8]}"
     server, prefix = store_bucket.server, url(run).prefix
     for step, (state, extra) in enumerate(zip(states, extra_upload), start=1):
@@ -130,7 +133,9 @@ def test_prune_aborts_exactly_the_uploads_below_the_checkpoints_it_removes(
     assert removed == [url(f"{run}/checkpoint-{step}") for step in sorted(expected)]
     gone = {f"checkpoint-{step}" for step in expected}
     left = [key for key in server.uploads_in_flight(store_bucket.name) if key.startswith(prefix)]
-    assert left == [key for key in placed if key[len(prefix):].split("/")[0] not in gone]
+    # An upload is a checkpoint's if its key is below the checkpoint's name and a "/" (a plain
+    # "run/checkpoint-3" is none, as an object of that name is none).
+    assert left == [key for key in placed if key[len(prefix):].partition("/")[0] not in gone or "/" not in key[len(prefix):]]
     assert all(f"{prefix}{key}" in left for key in foreign)  # a name the pattern does not take: never touched
     assert not [key for key in store_bucket.objects() if key.startswith(prefix) and key[len(prefix):].split("/")[0] in gone]
     if complete:
@@ -184,3 +189,60 @@ def test_uploads_are_listed_with_the_keys_obstore_would_use_or_said_to_be_unlist
         assert _object_store.uploads_in_flight(url(f"{store_bucket.url}/run")) is None
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "not static keys" in said[0] and "lifecycle rule" in said[0], said
+
+
+@pytest.mark.stores("moto", why="the cut is the proxy's, the same for every S3 server")
+@pytest.mark.regression("issue 31: an uploads listing cut short raised IncompleteRead out of prune")
+def test_an_uploads_listing_cut_short_is_said_and_the_prune_goes_on(
+    store_bucket: StoreBucket, store_proxy: FaultProxy, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = f"{store_bucket.url}/run-{uuid.uuid4().hex[:8]}"
+    for step in (1, 2, 3):
+        commit(f"{run}/checkpoint-{step}", root, step)
+    fault = store_proxy.cut_answer(method="GET", query="uploads", after_bytes=60, times=None)
+    _object_store._said.clear()
+    with caplog.at_level(logging.WARNING, logger="safestage"):
+        assert safestage.prune(run, keep=1) == [url(f"{run}/checkpoint-{n}") for n in (1, 2)]
+    assert fault.fired >= 1
+    said = [r.getMessage() for r in caplog.records if "multipart" in r.getMessage()]
+    assert len(said) == 1 and "unreadable" in said[0] and "lifecycle rule" in said[0], said
+
+
+@pytest.mark.stores("moto", why="the refusal is the proxy's, the same for every S3 server")
+@pytest.mark.regression("issue 31: a checkpoint whose upload could not be aborted was reported removed")
+def test_a_checkpoint_whose_upload_could_not_be_aborted_is_not_reported_removed_and_the_next_prune_does_it(
+    store_bucket: StoreBucket, store_proxy: FaultProxy, root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safestage import cli
+
+    run = f"{store_bucket.url}/run-{uuid.uuid4().hex[:8]}"
+    store_bucket.server.begin_upload(store_bucket.name, f"{url(run).prefix}checkpoint-1/model.bin")  # killed mid-upload
+    commit(f"{run}/checkpoint-2", root, 2)
+    fault = store_proxy.fail(503, method="DELETE", query="uploadId", times=None)
+    assert safestage.prune(run, keep=1) == []
+    assert cli.main(["prune", run, "--keep", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"partly        {run}/checkpoint-1" in out and "0 removed, 1 partly removed, 1 kept" in out, out
+    assert fault.fired >= 2
+    assert store_bucket.server.uploads_in_flight(store_bucket.name) == [f"{url(run).prefix}checkpoint-1/model.bin"]
+    store_proxy.clear_faults()
+    assert safestage.prune(run, keep=1) == [url(f"{run}/checkpoint-1")]
+    assert store_bucket.server.uploads_in_flight(store_bucket.name) == []
+
+
+@pytest.mark.stores("fake-gcs", "azurite", why="what is said where uploads are not listed: GCS and Azure")
+def test_where_uploads_are_not_listed_the_gcs_prune_says_so_once_and_azure_needs_nothing(
+    store_bucket: StoreBucket, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = f"{store_bucket.url}/run-{uuid.uuid4().hex[:8]}"
+    for step in (1, 2, 3):
+        commit(f"{run}/checkpoint-{step}", root, step)
+    _object_store._said.clear()
+    with caplog.at_level(logging.INFO, logger="safestage"):
+        assert safestage.prune(run, keep=2) == [url(f"{run}/checkpoint-1")]
+        commit(f"{run}/checkpoint-4", root, 4, keep=2)
+    said = [r for r in caplog.records if "multipart" in r.getMessage()]
+    if store_bucket.server.scheme == "gs":
+        assert len(said) == 1 and said[0].levelno == logging.INFO and "lifecycle rule" in said[0].getMessage()
+    else:  # Azure discards uncommitted blocks after 7 days: nothing to say
+        assert said == []

@@ -451,8 +451,12 @@ def apply(decisions: list[Decision], *, dry_run: bool = False) -> list[Destinati
         level = logging.WARNING if decision.loud else logging.INFO
         if dry_run:
             log.log(level, "safestage.prune: would remove %s (%s)", decision.path, decision.reason)
+        elif not remove_checkpoint(decision.path, removed):
+            log.warning("safestage.prune: removed every object of %s (%s), but a multipart upload in flight "
+                        "below it could not be aborted (said above): it is not counted as removed, and the next "
+                        "prune tries again", decision.path, decision.reason)  # fmt: skip
+            continue
         else:
-            remove_checkpoint(decision.path, removed)
             log.log(level, "safestage.prune: removed %s (%s)", decision.path, decision.reason)
         removed.append(decision.path)
     return removed
@@ -474,14 +478,15 @@ def _first_time(decision: Decision) -> bool:
 Removed = Union[list[Destination], tuple[Destination, ...]]
 
 
-def remove_checkpoint(path: Destination, removed_before: Removed = ()) -> None:
+def remove_checkpoint(path: Destination, removed_before: Removed = ()) -> bool:
     """Remove the checkpoint directory ``path``: its commit file first (made durable where the
     mount lets directories be fsync'ed), then everything else, bottom-up, with unlink and
-    rmdir only. Never follows a symlink inside it. A checkpoint URL: its commit object first,
-    then every object below its prefix, in batched deletes."""
+    rmdir only. Never follows a symlink inside it. A checkpoint URL: its multipart uploads in
+    flight aborted, then its commit object, then every object below its prefix, in batched
+    deletes. Whether nothing of it is left that can be seen: False where an upload could not
+    be aborted (its objects are gone all the same). Raises the OSError of a removal that failed."""
     if isinstance(path, ObjectURL):
-        _remove_objects(path, removed_before)
-        return
+        return _remove_objects(path, removed_before)
     commit_removed = False
     try:
         try:
@@ -495,9 +500,10 @@ def remove_checkpoint(path: Destination, removed_before: Removed = ()) -> None:
             os.rmdir(path)
     except OSError as exc:
         raise _removal_error(path, exc, commit_removed, removed_before) from exc
+    return True
 
 
-def _remove_objects(checkpoint: ObjectURL, removed_before: Removed) -> None:
+def _remove_objects(checkpoint: ObjectURL, removed_before: Removed) -> bool:
     commit_removed = False
     try:
         # Its multipart uploads in flight first: one that completes after the listing below
@@ -514,6 +520,7 @@ def _remove_objects(checkpoint: ObjectURL, removed_before: Removed) -> None:
             commit_removed = True
         _object_store.delete([ObjectURL(checkpoint.scheme, checkpoint.bucket, info.key)
                               for info in objects if info.key != commit.key])  # fmt: skip
+        return len(aborted) == len(uploads)
     except OSError as exc:
         state = ("its commit object was removed first: it is no longer complete (verify and latest_complete "
                  "skip it)" if commit_removed else "its commit object is untouched")  # fmt: skip

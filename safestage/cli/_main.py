@@ -968,19 +968,24 @@ def _prune(args: argparse.Namespace) -> int:
             _print_line(f"kept          {decision.path}  ({decision.reason})")
     removing = [decision for decision in reversed(decisions) if decision.action == "remove"]
     failed = None
+    done = partly = 0
     for decision in removing:
         try:
-            apply([decision], dry_run=args.dry_run)
+            whole = apply([decision], dry_run=args.dry_run) or args.dry_run
         except OSError as exc:
             failed = exc
             break
-        _print_line(f"{'would remove' if args.dry_run else 'removed':<12}  {decision.path}  ({decision.reason})")
+        word = "would remove" if args.dry_run else "removed" if whole else "partly"
+        _print_line(f"{word:<12}  {decision.path}  ({decision.reason}"
+                    f"{'' if whole else '; an upload in flight below it stays, said above'})")  # fmt: skip
+        done += bool(whole)
+        partly += not whole
     if failed is not None:
         print(f"safestage prune: {_said(failed)}", file=sys.stderr)
         return 1
-    done = len(removing)
     _print_line(
-        f"{done} {'would be removed' if args.dry_run else 'removed'}, {len(decisions) - done} kept "
+        f"{done} {'would be removed' if args.dry_run else 'removed'}, "
+        f"{f'{partly} partly removed, ' if partly else ''}{len(decisions) - done - partly} kept "
         f"(checkpoints matching {args.pattern!r} in {args.parent})"
     )
     return 0

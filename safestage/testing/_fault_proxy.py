@@ -12,6 +12,7 @@ came, Host header included (a SigV4 signature covers it), and can instead::
         proxy.fail(500, method="PUT", forward=True)   # done by the store, then answered 500
         proxy.delay(0.5, method="GET")                                # a slow store
         proxy.lose_answer(method="PUT", path="_SAFESTAGE_COMMIT.json")  # done, answer lost
+        proxy.cut_answer(method="GET", query="uploads", after_bytes=100)  # part of an answer, then FIN
         ...
         assert proxy.count(method="GET", query="list-type") == 1      # one LIST
         assert fault.fired == 2                                       # the fault really fired
@@ -72,7 +73,7 @@ class ProxiedRequest:
 class Fault:
     """A fault armed on the proxy; ``fired`` counts the requests it took."""
 
-    action: str  # "status", "reset", "delay", "lose"
+    action: str  # "status", "reset", "delay", "lose", "cut"
     method: Optional[str] = None
     query: Optional[str] = None
     path: Optional[str] = None
@@ -113,6 +114,8 @@ class Fault:
             return f"reset after {self.after_bytes} bytes"
         if self.action == "lose":
             return "answer lost"
+        if self.action == "cut":
+            return f"answer cut after {self.after_bytes} bytes"
         return f"delay {self.seconds} s"
 
 
@@ -192,6 +195,13 @@ class FaultProxy:
         """Forward the next matching requests to the store, then reset the connection instead of
         answering: the store did the work, the client never hears of it."""
         return self._arm(Fault("lose", method, query, path, header, times))
+
+    def cut_answer(self, *, method: Optional[str] = None, query: Optional[str] = None, path: Optional[str] = None,
+                   header: Optional[str] = None, after_bytes: int = 0, times: Optional[int] = 1) -> Fault:  # fmt: skip
+        """Forward the next matching requests, then send the store's status and headers (its
+        Content-Length too) but only ``after_bytes`` of its answer's body, and close the
+        connection: an answer cut short (the client reads a body shorter than announced)."""
+        return self._arm(Fault("cut", method, query, path, header, times, after_bytes=after_bytes))
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -286,6 +296,13 @@ class _Handler(BaseHTTPRequestHandler):
         if method != "HEAD":
             self.send_header("Content-Length", str(len(answer)))
         self.end_headers()
+        if fault is not None and fault.action == "cut":
+            self.wfile.write(answer[: fault.after_bytes])
+            self.wfile.flush()
+            self.close_connection = True  # a FIN, not a reset: the client reads a short body
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+            return
         if method != "HEAD":
             self.wfile.write(answer)
 

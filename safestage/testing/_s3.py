@@ -86,6 +86,11 @@ class S3Store(SupervisedServer):
         root = ET.fromstring(self._request("GET", f"/{bucket}?uploads="))
         return sorted(upload.findtext(f"{_NS}Key") or "" for upload in root.iter(f"{_NS}Upload"))
 
+    def put_object(self, bucket: str, key: str, body: bytes = b"") -> None:
+        """Put ``body`` at ``key`` as the server names it: a key ending in "/" too (a folder
+        marker, as the S3 console and s3fs make them), which obstore cannot name."""
+        self._request("PUT", f"/{bucket}/{_quote(key)}", body)
+
     def begin_upload(self, bucket: str, key: str, part: bytes = b"a part") -> str:
         """Begin a multipart upload of ``key`` and upload one ``part`` of it, never completed:
         what a writer killed during its upload leaves. Returns its upload id."""
