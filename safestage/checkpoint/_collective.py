@@ -49,6 +49,7 @@ import errno
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -67,9 +68,16 @@ log = logging.getLogger("safestage")
 HEARTBEAT = 0.25
 
 _lock = threading.Lock()
-_groups: dict[tuple[tuple[int, ...], float], Any] = {}  # (ranks, timeout) -> our gloo group
+# (ranks, timeout) -> our gloo group, held weakly: torch's registry (dist.new_group) holds it, so
+# that the job's destroy_process_group() frees it and stops its threads as it does the job's own
+# groups. Held strongly, it outlived that: its threads and sockets ran for the rest of the
+# process, a later job's commit reused a destroyed group, and a fork() after it hung inside
+# fork (the child's handler dropped it: see after_fork_in_child).
+_groups: dict[tuple[tuple[int, ...], float], weakref.ref[Any]] = {}
 # The works of each group's last exchange, held until its next one (see _gather).
 _held: dict[tuple[tuple[int, ...], float], tuple[Any, ...]] = {}
+# In a forked child, what the parent's exchanges held: never freed (see after_fork_in_child).
+_inherited: list[Any] = []
 
 
 class PeerLost(Lost):
@@ -484,8 +492,9 @@ def _own_group(dist: Any, ranks: tuple[int, ...], timeout: float) -> Any:
     rank of the group enters it, in the same order), then reused."""
     key = (ranks, timeout)
     with _lock:
-        existing = _groups.get(key)
-    if existing is not None:
+        held = _groups.get(key)
+    existing = held() if held is not None else None
+    if existing is not None and _registered(dist, existing):
         return existing
     try:  # every rank of the job calls it, in the same order (the world only)
         made = dist.new_group(
@@ -496,15 +505,43 @@ def _own_group(dist: Any, ranks: tuple[int, ...], timeout: float) -> Any:
             f"could not make safestage's gloo group over ranks {list(ranks)}: {exc}"
         ) from exc
     with _lock:
-        _groups[key] = made
+        _groups[key] = weakref.ref(made, _when_gone(key))
     return made
+
+
+def _when_gone(key: tuple[tuple[int, ...], float]) -> Callable[[Any], None]:
+    """What to do when the group of ``key`` is freed (the job destroyed its process groups):
+    let go of its exchanges' works too, here in this process, on a thread that holds the GIL.
+    Kept, a child forked later would inherit them, and freeing a parent's work in a child
+    aborts it (SIGABRT at its exit)."""
+
+    def gone(ref: Any) -> None:
+        dropped = None
+        with _lock:
+            if _groups.get(key) is ref:  # not a newer group of the same ranks
+                del _groups[key]
+                dropped = _held.pop(key, None)
+        del dropped  # freed outside the lock
+
+    return gone
+
+
+def _registered(dist: Any, group: Any) -> bool:
+    """Whether torch still knows ``group``: destroy_process_group() forgets every group, and one
+    something else still holds must not be used again."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, RuntimeError, ValueError):
+        return False
+    return True
 
 
 def _forget(ranks: tuple[int, ...], timeout: float) -> None:
     with _lock:
         # Its held works stay until a new group's first exchange, or exit: dropped now, right
         # after the failed wait, gloo's thread could free them during finalization (_gather).
-        broken = _groups.pop((ranks, timeout), None)
+        held = _groups.pop((ranks, timeout), None)
+    broken = held() if held is not None else None
     if broken is not None:
         try:
             import torch.distributed as dist
@@ -515,8 +552,17 @@ def _forget(ranks: tuple[int, ...], timeout: float) -> None:
 
 
 def after_fork_in_child() -> None:  # registered by _lifecycle
-    """Process groups do not survive fork(): a child starts with none of ours."""
+    """Process groups do not survive fork(): a child starts with none of ours.
+
+    What the parent's exchanges held is forgotten, never freed here: a gloo object's destructor
+    in a child waits for the parent's threads, which the child does not have (glibc's
+    pthread_cond_destroy waits for the waiters the condition variable had at fork(), forever).
+    The groups themselves are torch's (held weakly here); torch's own left alive at fork() make
+    a child that ends with sys.exit hang in the same destructor at its exit, with or without
+    safestage: end forked children with os._exit (multiprocessing does), or destroy the process
+    groups before forking."""
     global _lock
     _lock = threading.Lock()
     _groups.clear()
+    _inherited.extend(_held.values())
     _held.clear()
