@@ -73,6 +73,20 @@ def exchange(self, value):  # type: ignore[no-untyped-def]
 
 
 _collective.Collective.exchange = exchange  # type: ignore[method-assign]
+_announce = _collective.Collective.announce
+
+
+def announce(self, value):  # type: ignore[no-untyped-def]
+    # The last step, the coordinator's commit-file word, is a broadcast (Collective.announce).
+    _state["calls"] += 1
+    if _state["phase"] != "final":
+        _state["phase"] = "final"
+        if _armed("final"):
+            _die("final")
+    return _announce(self, value)
+
+
+_collective.Collective.announce = announce  # type: ignore[method-assign]
 
 _publish_one = _sequence.Commit._publish_one
 _published_count = {"n": 0}

@@ -1,6 +1,7 @@
 """safestage's gloo group lives as long as the job's process groups: the job's
-``destroy_process_group()`` ends it too, so that a fork() after it does not hang, and a job that
-initializes torch.distributed again commits collectively again.
+``destroy_process_group()`` ends it too (a handle kept to a commit holds neither), so that a
+fork() after it does not hang or crash, a background commit in flight at the destroy still
+lands, and a job that initializes torch.distributed again commits collectively again.
 
 Each test runs a real 2-rank job (two processes, gloo on CPU, 127.0.0.1), as torchrun would.
 """
@@ -22,15 +23,19 @@ import torch.distributed as dist
 import safestage
 
 run, out, child_exit, ports = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
-said = {}
+said, handles = {}, []
 for job, port in enumerate(ports, start=1):  # a job that tears torch.distributed down, then sets it up again
     os.environ["MASTER_PORT"] = port
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    with safestage.staged_dir(f"{run}/checkpoint-{job}", group=dist.group.WORLD) as local:
-        (local / f"rank{rank}.bin").write_bytes(bytes([rank]) * 100)
-    dist.barrier()
-    dist.destroy_process_group()
+    commit = safestage.staged_dir(f"{run}/checkpoint-{job}", group=dist.group.WORLD, background=job == 2)
+    with commit as local:
+        (local / f"rank{rank}.bin").write_bytes(bytes([rank]) * (8 << 20))
+    handles.append(commit)  # kept, as docs/asynchronous.md shows
+    if job == 1:
+        dist.barrier()
+    dist.destroy_process_group()  # the second: while its background commit is in flight
+    commit.wait()
     gc.collect()
 if rank == 0:  # then a fork: a DataLoader worker, a Pool
     started = time.monotonic()

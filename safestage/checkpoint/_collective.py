@@ -5,8 +5,9 @@ they wrote and its clashes, the heartbeat while they publish, and naming the ran
 Every rank of the group enters with the same ``dest`` and writes its own files into a local
 directory under its own node's staging root (nodes need not share one; the destination may be
 the only filesystem they share). Each agreement point of the sequence is one all-gather of
-objects (``_gather``: ``all_gather_object``'s way, its works kept until the next one) on a gloo
-group of safestage's own, made once per group:
+objects (``_gather``: ``all_gather_object``'s way, its works kept until the next one), the last
+a broadcast of the coordinator's word (``_broadcast``), on a gloo group of safestage's own, made
+once per group and ended with the job's groups:
 
 - gloo runs on CPU whatever the job's backend is (NCCL object collectives would need a GPU
   per call), and DCP's ``async_save`` does the same for the same reason;
@@ -76,12 +77,14 @@ _lock = threading.Lock()
 _groups: dict[tuple[tuple[int, ...], float], weakref.ref[Any]] = {}
 # The works of each group's last exchange, held until its next one (see _gather).
 _held: dict[tuple[tuple[int, ...], float], tuple[Any, ...]] = {}
-# In a forked child, what the parent's exchanges held: never freed (see after_fork_in_child).
-_inherited: list[Any] = []
 
 
 class PeerLost(Lost):
-    """A rank of the commit stopped answering: it died, or timed out (``timeout``)."""
+    """A rank of the commit stopped answering: it died, or timed out (``timeout``).
+    ``commit_pending``: lost at the last step by a rank that is not the coordinator, before the
+    commit file was there: a coordinator slower than the timeout may still write it."""
+
+    commit_pending = False
 
 
 class Collective:
@@ -133,6 +136,12 @@ class Collective:
     def is_coordinator(self) -> bool:
         return self.rank == self.coordinator
 
+    def ended(self) -> None:
+        """Let go of the group: a handle kept to a finished commit must not keep it alive after
+        the job's destroy_process_group() (a fork after it would crash at the child's exit).
+        Held until now, a commit in flight goes on whatever the job tears down meanwhile."""
+        self.group = None
+
     def exchange(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in group order (the same list on every rank). PeerLost if
         a rank died or did not answer within the timeout."""
@@ -145,7 +154,8 @@ class Collective:
         """The coordinator's ``value``, on every rank (what the others pass is not sent).
         PeerLost as ``exchange``."""
         try:
-            return _broadcast(self._dist, self.group, (self.ranks, self.timeout), value, self.coordinator)
+            return _broadcast(self._dist, self.group, (self.ranks, self.timeout), value,
+                              self.ranks.index(self.coordinator))  # fmt: skip
         except RuntimeError as exc:
             raise self._lost(exc) from exc
 
@@ -308,6 +318,7 @@ class Collective:
         except PeerLost as lost:
             landed = _landed_with(dest, manifest, published)
             if landed is None:
+                lost.commit_pending = not self.is_coordinator
                 raise
             log.warning(
                 "safestage: %s: %s, after the commit file landed: the checkpoint is complete",
@@ -329,10 +340,16 @@ class Collective:
 
     def lost_error(self, lost: Lost, dest: Any, state: str, local: Optional[Path]) -> PublishError:
         kept = f" This rank's copy is kept in {local}." if local is not None else ""
+        if getattr(lost, "commit_pending", False):
+            outcome = (f"the coordinator, rank {self.coordinator}, had not written the commit file when this rank "
+                       f"stopped waiting, and may still write it (one slower than timeout=): `safestage verify "
+                       f"{dest}` tells whether {dest} is complete")  # fmt: skip
+        else:
+            outcome = f"{state}, so {dest} is not complete (verify and latest_complete say so)"
         return PublishError(
             errno.EPIPE,
             f"safestage could not commit {dest} (rank {self.rank} of {len(self.ranks)}): {lost}; "
-            f"{state}, so {dest} is not complete (verify and latest_complete say so).{kept}",
+            f"{outcome}.{kept}",
             str(dest),
             staged_path=None if local is None else str(local),
             step="collective",
@@ -448,29 +465,40 @@ def _gather(dist: Any, group: Any, key: tuple[tuple[int, ...], float], value: An
 
 
 def _broadcast(dist: Any, group: Any, key: tuple[tuple[int, ...], float], value: Any, source: int) -> Any:
-    """``broadcast_object_list`` of ``value`` from the rank ``source`` (global): what every
-    rank returns. Its works are held as ``_gather``'s, and what they hold is one payload, not
-    the group's size times it: the commit step's, the manifest, which every rank keeps until
-    the next commit (about 100 bytes a file, 0.2 MB for 2,000 files, whatever the number of
-    ranks; a gather of it held that once per rank: 0.8 MB on 4 ranks, 1 GB on 1,024 ranks of
-    10 files each)."""
+    """``broadcast_object_list`` of ``value`` from the group's rank ``source`` (its index in the
+    group, not a global rank): what every rank returns. Its works are held as ``_gather``'s, and
+    what they hold is one payload, not the group's size times it: the commit step's, the
+    manifest, which every rank keeps until the next commit (about 100 bytes a file, 0.2 MB for
+    2,000 files, whatever the number of ranks; a gather of it held that once per rank: 0.8 MB
+    on 4 ranks, 1 GB on 1,024 ranks of 10 files each).
+
+    Sent on the group itself, as ``_gather``'s all-gathers are: dist.broadcast and dist.get_rank
+    look ranks up in torch's registry, which the job's destroy_process_group() empties while a
+    background commit may still be at this step (it goes on, on the group it holds)."""
     import pickle
 
     import torch
 
-    payload = pickle.dumps(value) if dist.get_rank() == source else b""
+    payload = pickle.dumps(value) if group.rank() == source else b""
     length = torch.tensor([len(payload)], dtype=torch.long)
-    work = dist.broadcast(length, src=source, group=group, async_op=True)
+    work = _broadcast_on(dist, group, length, source)
     _hold(key, work, length)
     work.wait()
     if payload:
         buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     else:
         buffer = torch.empty(int(length), dtype=torch.uint8)
-    second = dist.broadcast(buffer, src=source, group=group, async_op=True)
+    second = _broadcast_on(dist, group, buffer, source)
     _hold(key, work, second, length, buffer)
     second.wait()
     return value if payload else pickle.loads(buffer.numpy().tobytes())
+
+
+def _broadcast_on(dist: Any, group: Any, tensor: Any, source: int) -> Any:
+    options = dist.BroadcastOptions()
+    options.rootRank = source
+    options.rootTensor = 0
+    return group.broadcast([tensor], options)
 
 
 def _hold(key: tuple[tuple[int, ...], float], *works_and_tensors: Any) -> None:
@@ -505,25 +533,8 @@ def _own_group(dist: Any, ranks: tuple[int, ...], timeout: float) -> Any:
             f"could not make safestage's gloo group over ranks {list(ranks)}: {exc}"
         ) from exc
     with _lock:
-        _groups[key] = weakref.ref(made, _when_gone(key))
+        _groups[key] = weakref.ref(made)
     return made
-
-
-def _when_gone(key: tuple[tuple[int, ...], float]) -> Callable[[Any], None]:
-    """What to do when the group of ``key`` is freed (the job destroyed its process groups):
-    let go of its exchanges' works too, here in this process, on a thread that holds the GIL.
-    Kept, a child forked later would inherit them, and freeing a parent's work in a child
-    aborts it (SIGABRT at its exit)."""
-
-    def gone(ref: Any) -> None:
-        dropped = None
-        with _lock:
-            if _groups.get(key) is ref:  # not a newer group of the same ranks
-                del _groups[key]
-                dropped = _held.pop(key, None)
-        del dropped  # freed outside the lock
-
-    return gone
 
 
 def _registered(dist: Any, group: Any) -> bool:
@@ -554,15 +565,31 @@ def _forget(ranks: tuple[int, ...], timeout: float) -> None:
 def after_fork_in_child() -> None:  # registered by _lifecycle
     """Process groups do not survive fork(): a child starts with none of ours.
 
-    What the parent's exchanges held is forgotten, never freed here: a gloo object's destructor
-    in a child waits for the parent's threads, which the child does not have (glibc's
-    pthread_cond_destroy waits for the waiters the condition variable had at fork(), forever).
-    The groups themselves are torch's (held weakly here); torch's own left alive at fork() make
-    a child that ends with sys.exit hang in the same destructor at its exit, with or without
-    safestage: end forked children with os._exit (multiprocessing does), or destroy the process
-    groups before forking."""
+    What the parent's exchanges held is forgotten and never freed, not even at the child's
+    exit: a gloo work's destructor in a child meets state of the parent's threads, which the
+    child does not have (a 2-rank job that committed, destroyed its groups and forked: the
+    child aborted at exit, SIGABRT, when it freed them). The groups themselves are torch's
+    (held weakly here); torch's own left alive at fork() make a child that ends with sys.exit
+    hang in their destructor at its exit, with or without safestage (glibc's
+    pthread_cond_destroy waits for the parent's waiters): end forked children with os._exit
+    (multiprocessing does), or destroy the process groups before forking."""
     global _lock
     _lock = threading.Lock()
     _groups.clear()
-    _inherited.extend(_held.values())
+    for held in _held.values():
+        _never_freed(held)
     _held.clear()
+
+
+def _never_freed(value: Any) -> None:
+    """One more reference to ``value`` that nothing drops: freed neither now nor when the
+    interpreter tears down its modules."""
+    try:
+        import ctypes
+
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(value))
+    except (ImportError, AttributeError):  # not CPython: kept for the process's life at least
+        _kept_forever.append(value)
+
+
+_kept_forever: list[Any] = []

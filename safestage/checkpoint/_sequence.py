@@ -544,6 +544,9 @@ class Peers(Protocol):
         self, lost: Lost, dest: Any, state: str, local: Optional[Path]
     ) -> PublishError: ...
 
+    def ended(self) -> None:
+        """The commit is over (landed, failed or refused): no agreement point follows."""
+
 
 class Alone:
     """A world of one: every agreement point is the commit's own answer."""
@@ -551,6 +554,9 @@ class Alone:
     rank = 0
     world_size = 1
     is_coordinator = True
+
+    def ended(self) -> None:
+        pass
 
     def started(self, problem: Optional[BaseException], dest: Optional[Destination]) -> None:
         if problem is not None:
@@ -598,6 +604,7 @@ def enter(commit: Commit, peers: Peers) -> Path:
         peers.started(problem, commit.dest if problem is None else None)
     except BaseException:
         commit.discard()
+        peers.ended()
         raise
     assert commit.local is not None
     return commit.local
@@ -609,6 +616,19 @@ def check(
     """Steps 2 and 3 once the block has returned (``exc``: what it raised). Returns (this
     rank's tree, the union of every rank's), or None when the block raised (nothing was
     published; the block's exception propagates); raises when the commit cannot go on."""
+    try:
+        checked = _check(commit, peers, exc)
+    except BaseException:
+        peers.ended()
+        raise
+    if checked is None:
+        peers.ended()
+    return checked
+
+
+def _check(
+    commit: Commit, peers: Peers, exc: Optional[BaseException]
+) -> Optional[tuple[Tree, Tree]]:
     tree: Optional[Tree] = None
     problem: Optional[BaseException] = exc
     if problem is None:
@@ -665,6 +685,13 @@ def _nothing_written(commit: Commit, *, collective: bool) -> StagingError:
 def land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
     """Steps 4 to 7, on every rank: returns the manifest once the commit file has landed;
     otherwise keeps the copy and raises."""
+    try:
+        return _land(commit, peers, tree, union)
+    finally:
+        peers.ended()
+
+
+def _land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
     dest, local = commit._opened()
     published: dict[str, Published] = {}
     try:

@@ -50,7 +50,11 @@ class StagedDir:
         retention: Optional[_prune.Retention] = None,
     ) -> None:
         self._commit = Commit(dest, settings, retention=retention)
+        # The job's group, until the commit joins it: a handle kept to the commit must not keep
+        # the job's process group alive after its destroy_process_group() (a fork after it
+        # would crash or hang at the child's exit, freeing it there).
         self._group, self._timeout = group, timeout
+        self._collective = group is not None
         self._background = background  # commits in flight at most (0: the block's end commits)
         self._peers: Optional[Peers] = None
         self._job: Optional[_work.Job] = None
@@ -90,21 +94,22 @@ class StagedDir:
             )
         self._state = "open"
         _work.adopt(self)  # its commit may go on in the background in this process only
-        if self._background or self._group is not None:
+        if self._background or self._collective:
             # Never more local copies than commits allowed in flight; a collective commit
             # waits for every earlier one, whose exchanges share its gloo group.
-            _work.make_room("commit", 1 if self._group is not None else self._background)
+            _work.make_room("commit", 1 if self._collective else self._background)
         _work.raise_unseen(lambda job: isinstance(job.owner, StagedDir),
                            "safestage: raised here, at the next staged_dir: the background commit of {dest} failed")  # fmt: skip
-        if self._group is not None:
+        if self._collective:
             from ._collective import Collective
 
-            self._peers = Collective.join(self._group, self._timeout, self._commit._argument)
+            group, self._group = self._group, None
+            self._peers = Collective.join(group, self._timeout, self._commit._argument)
             self._commit.part = Part("collective", self._peers.rank, self._peers.world_size)
         else:
             self._peers = Alone()
         local = _sequence.enter(self._commit, self._peers)
-        if self._background and self._group is None and _work.may_defer(self):
+        if self._background and not self._collective and _work.may_defer(self):
             self._deferred = Deferred(self.settings)
             _work.adopt(self._deferred)  # this process's: a forked child writes before returning
         _patch.add_unstaged_dir(local, self._deferred)
@@ -143,9 +148,13 @@ class StagedDir:
                 if self._background and _work.may_defer(self):
                     # The rest on a safestage worker; a collective's exchanges run on safestage's
                     # own gloo group, never the job's, so training's collectives go on meanwhile.
+                    def not_started(exc: BaseException) -> None:
+                        commit.keep(exc, tree=checked[0])
+                        peers.ended()
+
                     _work.hand_off(
-                        job, lambda: _sequence.land(commit, peers, *checked), limit=1 if self._group is not None else self._background,
-                        kept=commit.local, not_started=lambda exc: commit.keep(exc, tree=checked[0]),
+                        job, lambda: _sequence.land(commit, peers, *checked), limit=1 if self._collective else self._background,
+                        kept=commit.local, not_started=not_started,
                     )  # fmt: skip
                     return
                 job.result = _sequence.land(commit, peers, *checked)
@@ -154,6 +163,7 @@ class StagedDir:
                 # named (land and hand_off keep it themselves on their own failures: no-op then).
                 if not job.background:
                     commit.keep(interrupted, tree=checked[0])
+                    peers.ended()
                 raise
 
     def _land_later(self, deferred: Deferred, job: _work.Job) -> Manifest:
