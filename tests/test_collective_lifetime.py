@@ -61,7 +61,7 @@ with open(out, "w") as handle:
 
 
 @pytest.mark.parametrize("child_exit", ["os._exit", "sys.exit"])
-@pytest.mark.regression("issue 31 review: a fork after destroy_process_group() hung inside fork (safestage's group outlived the job's)")
+@pytest.mark.regression("issue 31: a fork after destroy_process_group() hung inside fork, a kept handle crashed the child at exit, a background commit in flight at the destroy failed")
 def test_after_the_job_destroys_its_process_groups_it_commits_again_and_a_fork_never_hangs(
     tmp_path: Path, child_exit: str
 ) -> None:
