@@ -81,9 +81,11 @@ _held: dict[tuple[tuple[int, ...], float], tuple[Any, ...]] = {}
 
 class PeerLost(Lost):
     """A rank of the commit stopped answering: it died, or timed out (``timeout``).
-    ``commit_pending``: lost at the last step by a rank that is not the coordinator, before the
-    commit file was there: a coordinator slower than the timeout may still write it."""
+    ``timed_out``: nobody was seen to die, a rank only did not answer in time.
+    ``commit_pending``: so lost at the last step by a rank that is not the coordinator, before
+    the commit file was there: a coordinator slower than the timeout may still write it."""
 
+    timed_out = False
     commit_pending = False
 
 
@@ -318,7 +320,7 @@ class Collective:
         except PeerLost as lost:
             landed = _landed_with(dest, manifest, published)
             if landed is None:
-                lost.commit_pending = not self.is_coordinator
+                lost.commit_pending = lost.timed_out and not self.is_coordinator
                 raise
             log.warning(
                 "safestage: %s: %s, after the commit file landed: the checkpoint is complete",
@@ -369,7 +371,9 @@ class Collective:
             who = f"a rank did not answer within the timeout ({self.timeout:g} s)"
         else:
             who = "a rank died or lost its connection"
-        return PeerLost(f"{who} during the commit ({text})")
+        lost = PeerLost(f"{who} during the commit ({text})")
+        lost.timed_out = not gone and who.startswith("a rank did not answer")
+        return lost
 
 
 def _union(ranks: tuple[int, ...], states: list[Any]) -> tuple[Tree, Optional[str]]:

@@ -93,6 +93,7 @@ class StagedDir:
                 "this staged_dir was already used; call safestage.staged_dir() again"
             )
         self._state = "open"
+        group, self._group = self._group, None  # never kept past here: see __init__
         _work.adopt(self)  # its commit may go on in the background in this process only
         if self._background or self._collective:
             # Never more local copies than commits allowed in flight; a collective commit
@@ -103,7 +104,6 @@ class StagedDir:
         if self._collective:
             from ._collective import Collective
 
-            group, self._group = self._group, None
             self._peers = Collective.join(group, self._timeout, self._commit._argument)
             self._commit.part = Part("collective", self._peers.rank, self._peers.world_size)
         else:
