@@ -696,16 +696,7 @@ def _land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
     published: dict[str, Published] = {}
     try:
         peers.prepared(lambda: commit.prepare(union, vouching=VOUCHING), local, tree.paths)
-        own: Optional[BaseException]
-        try:
-            own = commit.publish(tree, published, wait=peers.publishing)
-        except Exception:
-            raise
-        except BaseException as interrupted:
-            # A Ctrl-C while publishing: told to every rank at the next agreement point, which
-            # raises it here as it is. Raised before it, this rank skipped an exchange the others
-            # entered: they read its next commit's first word as this one's outcome.
-            own = interrupted
+        own = commit.publish(tree, published, wait=peers.publishing)
         rank = None if commit.part.of == "whole" else commit.part.rank  # a collective's files say whose
         entries = [FileEntry(path, result.nbytes, result.digest or "", rank, result.etag)
                    for path, result in published.items()]  # fmt: skip
