@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from . import _s3_uploads
 from ._destination import SCHEMES, ObjectURL, url_of
@@ -548,11 +548,13 @@ def uploads_in_flight(url: ObjectURL) -> Optional[list[InFlight]]:
 def abort_uploads(uploads: list[InFlight]) -> list[InFlight]:
     """Abort each of ``uploads`` (S3, listed by ``uploads_in_flight``); return those aborted (or
     gone meanwhile). One the store refuses or fails is said once, at WARNING, and left."""
-    aborted = []
+    aborted: list[InFlight] = []
+    if not uploads:
+        return aborted
+    reach = _s3_access(uploads[0].url)  # one bucket: a checkpoint's
+    if isinstance(reach, str):
+        return aborted  # the listing said why
     for upload in uploads:
-        reach = _s3_access(upload.url)
-        if isinstance(reach, str):
-            break  # the listing said why
         try:
             _s3_uploads.abort(upload, reach)
         except OSError as exc:
@@ -562,7 +564,7 @@ def abort_uploads(uploads: list[InFlight]) -> list[InFlight]:
     return aborted
 
 
-def _s3_access(url: ObjectURL) -> Any:
+def _s3_access(url: ObjectURL) -> Union[_s3_uploads.Access, str]:
     with _lock:
         options = dict(_options.get((url.scheme, url.bucket), {}))
     return _s3_uploads.access(url.bucket, options, os.environ)
