@@ -1,4 +1,4 @@
-"""Clean-ups that a Ctrl-C cannot cut short.
+"""Clean-ups that a Ctrl-C cannot cut short, and steps that take it at a point of their choosing.
 
 A KeyboardInterrupt that lands while safestage removes its temp file, closes a descriptor
 or deletes its rename probe would leave that file behind (issue 9). Python runs signal
@@ -6,6 +6,12 @@ handlers in the main thread only, so there a clean-up swaps SIGINT's handler for
 just notes the signal, and hands it to the previous handler once the clean-up is done: the
 interrupt still happens, right after. (Blocking the signal with pthread_sigmask would not
 do: another thread of the process would take it.) Other threads never see KeyboardInterrupt.
+
+A collective commit goes further: its ranks must pass the same agreement points in the same
+order, so an interrupt raised inside one of its exchanges (or between two) would leave this rank
+one exchange behind the others for the rest of the job. It defers interrupts from its first
+exchange to its last and takes a noted one (``Noted.take``) at its next agreement point, where
+it is told to every rank.
 """
 
 from __future__ import annotations
@@ -19,43 +25,79 @@ from types import FrameType
 from typing import Any, Optional
 
 
+class Noted:
+    """The interrupts a deferral kept from its handler (``previous``), until it ends."""
+
+    def __init__(self, previous: Any = None) -> None:
+        self.previous = previous
+        self.frames: list[Optional[FrameType]] = []
+
+    def note(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.frames.append(frame)
+
+    def take(self) -> Optional[BaseException]:
+        """The interrupt noted so far, as its handler raises it, now (KeyboardInterrupt, or what
+        a handler of the program's raises); None if none was noted or the handler raises
+        nothing (one that only sets a flag, SIG_IGN). Under SIG_DFL it stays noted: it ends
+        the process when the deferral ends."""
+        if not self.frames or self.previous == signal.SIG_DFL:
+            return None
+        frame = self.frames[0]
+        self.frames.clear()
+        if not callable(self.previous):  # SIG_IGN, or a handler not set from Python
+            return None
+        try:
+            self.previous(signal.SIGINT, frame)
+        except BaseException as exc:
+            return exc
+        return None
+
+
 @contextlib.contextmanager
-def deferred() -> Iterator[None]:
+def deferred() -> Iterator[Noted]:
+    """SIGINT noted, not raised, until the block ends, then handed to its handler. In a deferral
+    already running (an inner clean-up), the same one: its end hands it over."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield Noted()
         return
-    noted: list[Optional[FrameType]] = []
-
-    def note(signum: int, frame: Optional[FrameType]) -> None:
-        noted.append(frame)
-
+    if _deferring and signal.getsignal(signal.SIGINT) == _deferring[-1].note:
+        yield _deferring[-1]
+        return
     try:
-        previous = signal.signal(signal.SIGINT, note)
+        noted = Noted(signal.getsignal(signal.SIGINT))
+        signal.signal(signal.SIGINT, noted.note)
     except (ValueError, OSError):  # not the main interpreter: nothing to defer
-        yield
+        yield Noted()
         return
-    _deferring.append((note, previous))
+    _deferring.append(noted)
     try:
-        yield
+        yield noted
     finally:
-        _deferring.remove((note, previous))
-        signal.signal(signal.SIGINT, previous)
-        if noted:
-            _deliver(previous, noted[0])
+        _deferring.remove(noted)
+        signal.signal(signal.SIGINT, noted.previous)
+        if noted.frames:
+            _deliver(noted.previous, noted.frames[0])
 
 
-# (noting handler, the handler it replaced) while a clean-up defers interrupts
-_deferring: list[tuple[Any, Any]] = []
+def taken() -> Optional[BaseException]:
+    """``Noted.take`` of this thread's deferral; None outside one, and off the main thread
+    (which never sees a KeyboardInterrupt)."""
+    if not _deferring or threading.current_thread() is not threading.main_thread():
+        return None
+    return _deferring[-1].take()
+
+
+# the deferrals running in the main thread, innermost last
+_deferring: list[Noted] = []
 
 
 def after_fork_in_child() -> None:  # registered by _lifecycle
     # A child forked (from another thread) during a deferred clean-up inherits the noting
     # handler, and no clean-up of its own will ever restore it: give it the real one back.
-    if _deferring and signal.getsignal(signal.SIGINT) is _deferring[0][0]:
+    if _deferring and signal.getsignal(signal.SIGINT) == _deferring[0].note:
         with contextlib.suppress(ValueError, OSError):
-            signal.signal(signal.SIGINT, _deferring[0][1])
+            signal.signal(signal.SIGINT, _deferring[0].previous)
     _deferring.clear()
-
 
 
 def _deliver(handler: Any, frame: Optional[FrameType]) -> None:

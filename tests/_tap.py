@@ -12,6 +12,11 @@ a request function of ``safestage._object_store`` (an upload, a PUT, a GET, a LI
 DELETE), named ``store.<function>``. The requests themselves run in obstore's Rust runtime,
 where no system call of Python's is seen; a step before each is where a process dies between
 two requests of a URL commit (after its data objects, before its commit object).
+
+``calls`` counts more functions, each named by its own name: the gloo exchanges of a collective
+commit (``_collective._gather``, ``_broadcast``, ``_hold``: between the two collectives of one
+exchange), which make no system call of Python's. ``main_only`` counts the main thread's calls
+only: the steps where a Ctrl-C can land, in an order the publishing threads do not shuffle.
 """
 
 from __future__ import annotations
@@ -83,9 +88,12 @@ class Tap:
     """``with Tap(at=k, action=...) as tap:`` run a save; ``tap.steps`` lists the calls."""
 
     def __init__(self, at: Optional[int] = None, action: Optional[str] = None,
-                 callback: Optional[Callable[[], None]] = None, *, requests: bool = False) -> None:  # fmt: skip
+                 callback: Optional[Callable[[], None]] = None, *, requests: bool = False,
+                 calls: tuple[tuple[Any, str], ...] = (), main_only: bool = False) -> None:  # fmt: skip
         self.at = at
         self.requests = requests
+        self.calls = calls  # more functions to count, each (module, name): named by its name
+        self.main_only = main_only  # count the main thread's calls only (where Ctrl-C lands)
         self.action = action
         self.callback = callback
         self.steps: list[Step] = []
@@ -109,6 +117,8 @@ class Tap:
 
             for name in _STORE_NAMES:
                 self._patch(_object_store, name, f"store.{name}")
+        for owner, attr in self.calls:
+            self._patch(owner, attr, attr)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -122,7 +132,9 @@ class Tap:
 
         def tapped(*args: Any, **kwargs: Any) -> Any:
             caller = sys._getframe(1)
-            if not _ours(caller, name):
+            if not _ours(caller, name) or (
+                tap.main_only and threading.current_thread() is not threading.main_thread()
+            ):
                 return real(*args, **kwargs)
             with tap._lock:
                 step = Step(len(tap.steps), name, repr(args[0])[-80:] if args else "",

@@ -51,11 +51,13 @@ import logging
 import os
 import threading
 import weakref
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .._destination import Destination
 from .._errors import ConfigError, PublishError
+from .._interrupts import deferred, taken
 from .._locks import process_alive
 from .._names import HOST
 from .._publish import Published
@@ -144,6 +146,18 @@ class Collective:
         Held until now, a commit in flight goes on whatever the job tears down meanwhile."""
         self.group = None
 
+    def agreeing(self) -> AbstractContextManager[object]:
+        """Interrupts deferred (in the main thread: the one a Ctrl-C reaches) from here to the
+        block's end, taken at the next agreement point (``interrupted``). Raised where it lands,
+        a Ctrl-C inside an exchange, or between two, left this rank one exchange behind the
+        others for the rest of the job: the others read its next commit's first word as this
+        one's outcome, and its next commit failed. Told at the next agreement point, it ends
+        this commit on every rank there, and every rank stays in step."""
+        return deferred()
+
+    def interrupted(self) -> Optional[BaseException]:
+        return taken()
+
     def exchange(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in group order (the same list on every rank). PeerLost if
         a rank died or did not answer within the timeout."""
@@ -168,6 +182,7 @@ class Collective:
             self.dest = dest
         else:
             dest = self.dest
+        problem = problem or self.interrupted()
         mine = (
             (HOST, os.getpid()),
             None if problem is not None else str(self.dest),
@@ -201,6 +216,7 @@ class Collective:
             )
 
     def written(self, tree: Optional[Tree], problem: Optional[BaseException]) -> Tree:
+        problem = problem or self.interrupted()
         mine = ("ready", tree.files, tree.directories, tree.empty) if tree is not None and problem is None \
             else ("stopped", _describe(problem))  # fmt: skip
         try:
@@ -239,21 +255,29 @@ class Collective:
 
     def prepared(self, prepare: Callable[[], object], local: Path, paths: list[str]) -> None:
         word: Optional[PublishError] = None
-        if self.is_coordinator:
+        interrupt = self.interrupted()
+        if self.is_coordinator and interrupt is None:
             try:
                 prepare()
             except PublishError as failed:
                 word = failed
-        words = self.exchange(None if word is None else _describe(word))
-        coordinator_word = words[self.ranks.index(self.coordinator)]
-        if coordinator_word is None:
+            interrupt = self.interrupted()
+        words = self.exchange((_describe(word) if word is not None else None,
+                               _describe(interrupt) if interrupt is not None else None))  # fmt: skip
+        coordinator_word = words[self.ranks.index(self.coordinator)][0]
+        stopped = [(rank, said) for rank, (_, said) in zip(self.ranks, words) if said is not None]
+        if coordinator_word is None and not stopped:
             return
+        if interrupt is not None:
+            raise interrupt
         if word is not None:
             raise word
+        if coordinator_word is not None:
+            why = f"the coordinator, rank {self.coordinator}, could not prepare it: {coordinator_word}"
+        else:
+            why = f"rank {stopped[0][0]} was interrupted ({stopped[0][1]}) before any rank published"
         raise PublishError(
-            errno.ECANCELED,
-            f"safestage could not commit {self.dest}: the coordinator, rank {self.coordinator}, could "
-            f"not prepare it: {coordinator_word}",
+            errno.ECANCELED, f"safestage could not commit {self.dest}: {why}",
             str(self.dest), staged_path=str(local), step="collective", landed=(), not_landed=tuple(paths),
         )  # fmt: skip
 
@@ -262,11 +286,11 @@ class Collective:
         every rank's are done. A failure or interrupt anywhere stops new files everywhere."""
         interrupt: Optional[BaseException] = None
         while True:
-            try:
-                finished = work.finished(HEARTBEAT)
-            except BaseException as exc:  # Ctrl-C: stop the copies in flight, tell the others
+            finished = work.finished(HEARTBEAT)
+            late = self.interrupted()
+            if late is not None:  # Ctrl-C: stop the copies in flight, tell the others
                 work.stop(cancel=True)
-                interrupt = interrupt or exc
+                interrupt = interrupt or late
                 finished = False
             try:
                 states = self.exchange((finished, bool(work.errors) or interrupt is not None))
@@ -282,41 +306,49 @@ class Collective:
     def landed(
         self, entries: list[FileEntry], error: Optional[BaseException], local: Path
     ) -> list[FileEntry]:
-        mine = ("failed", _describe(error)) if error is not None \
-            else ("published", [(e.path, e.size, e.digest, e.etag) for e in entries])  # fmt: skip
+        error = self.interrupted() or error  # the user's Ctrl-C goes before this rank's failure
+        if error is None:
+            mine: tuple[str, Any] = ("published", [(e.path, e.size, e.digest, e.etag) for e in entries])
+        else:
+            mine = ("failed" if isinstance(error, Exception) else "interrupted", _describe(error))
         outcomes = self.exchange(mine)
-        failures = [
-            (rank, state[1]) for rank, state in zip(self.ranks, outcomes) if state[0] != "published"
-        ]
+        failures = [(rank, how, said) for rank, (how, said) in zip(self.ranks, outcomes) if how != "published"]
         if failures:
             if error is not None and not isinstance(error, Exception):
                 raise error  # KeyboardInterrupt, SystemExit: as they are
-            rank, text = failures[0]
+            rank, how, text = failures[0]
+            what = f"was interrupted ({text})" if how == "interrupted" else f"could not publish: {text.rstrip('.')}"
             published = {entry.path for entry in entries}
             raise PublishError(
                 getattr(error, "errno", None) or errno.ECANCELED,
-                f"safestage could not commit {self.dest}: rank {rank} could not publish: {text.rstrip('.')}. No "
+                f"safestage could not commit {self.dest}: rank {rank} {what}. No "
                 f"commit file was written: {self.dest} is not complete. This rank's copy is kept in {local}.",
                 str(self.dest), staged_path=str(local), step="collective",
                 landed=tuple(sorted(published)), not_landed=None,
             ) from error  # fmt: skip
         return [FileEntry(path, size, digest, rank, etag)
-                for rank, state in zip(self.ranks, outcomes) for path, size, digest, etag in state[1]]  # fmt: skip
+                for rank, (_, said) in zip(self.ranks, outcomes) for path, size, digest, etag in said]  # fmt: skip
 
     def committed(
         self, write: Callable[[], Manifest], published: dict[str, Published], dest: Destination
     ) -> Manifest:
         manifest: Optional[Manifest] = None
         word: Optional[BaseException] = None
+        said = ""
         if self.is_coordinator:
+            word = self.interrupted()  # told before the commit file, none is written
             try:
-                manifest = write()
+                if word is None:
+                    manifest = write()
+                else:
+                    said = f"was interrupted before it wrote the commit file ({_describe(word)})"
             except PublishError as failed:
                 word = failed
+                said = f"could not write the commit file: {_describe(word)}"
         try:
             # Only the coordinator has a word here: a broadcast, so that what every rank holds
             # until the next commit is one manifest (_broadcast), not one per rank.
-            coordinator_word = self.announce(manifest.encode() if manifest is not None else _describe(word))
+            coordinator_word = self.announce(manifest.encode() if manifest is not None else said)
         except PeerLost as lost:
             landed = _landed_with(dest, manifest, published)
             if landed is None:
@@ -335,8 +367,7 @@ class Collective:
         raise PublishError(
             errno.ECANCELED,
             f"safestage could not commit {dest}: every file landed, but the coordinator, rank "
-            f"{self.coordinator}, could not write the commit file: {coordinator_word}. {dest} is not "
-            "complete.",
+            f"{self.coordinator}, {coordinator_word}. {dest} is not complete.",
             str(dest), step="commit", landed=tuple(sorted(published)), not_landed=(),
         )  # fmt: skip
 

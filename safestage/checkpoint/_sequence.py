@@ -547,6 +547,14 @@ class Peers(Protocol):
     def ended(self) -> None:
         """The commit is over (landed, failed or refused): no agreement point follows."""
 
+    def agreeing(self) -> contextlib.AbstractContextManager[object]:
+        """Around steps that run agreement points: an interrupt is raised in none of them, nor
+        between two, but taken at the next one (``interrupted``) and told to every rank there."""
+
+    def interrupted(self) -> Optional[BaseException]:
+        """The interrupt noted since the last agreement point, if any (taken: raised by the
+        caller once every rank has heard of it)."""
+
 
 class Alone:
     """A world of one: every agreement point is the commit's own answer."""
@@ -557,6 +565,12 @@ class Alone:
 
     def ended(self) -> None:
         pass
+
+    def agreeing(self) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext()  # a Ctrl-C stops a world of one where it lands
+
+    def interrupted(self) -> Optional[BaseException]:
+        return None
 
     def started(self, problem: Optional[BaseException], dest: Optional[Destination]) -> None:
         if problem is not None:
@@ -595,17 +609,22 @@ class Alone:
 
 def enter(commit: Commit, peers: Peers) -> Path:
     """Step 1 on every rank: its local directory, or every rank raises and none writes."""
-    problem: Optional[BaseException] = None
-    try:
-        commit.open()
-    except BaseException as exc:  # told to every rank, then raised here
-        problem = exc
-    try:
-        peers.started(problem, commit.dest if problem is None else None)
-    except BaseException:
-        commit.discard()
-        peers.ended()
-        raise
+    with peers.agreeing():
+        problem: Optional[BaseException] = None
+        try:
+            commit.open()
+        except BaseException as exc:  # told to every rank, then raised here
+            problem = exc
+        try:
+            peers.started(problem, commit.dest if problem is None else None)
+        except BaseException:
+            commit.discard()
+            peers.ended()
+            raise
+        late = peers.interrupted()
+        if late is not None:  # told to the others where they next agree, as if the block raised it
+            check(commit, peers, late)
+            raise late
     assert commit.local is not None
     return commit.local
 
@@ -616,14 +635,15 @@ def check(
     """Steps 2 and 3 once the block has returned (``exc``: what it raised). Returns (this
     rank's tree, the union of every rank's), or None when the block raised (nothing was
     published; the block's exception propagates); raises when the commit cannot go on."""
-    try:
-        checked = _check(commit, peers, exc)
-    except BaseException:
-        peers.ended()
-        raise
-    if checked is None:
-        peers.ended()
-    return checked
+    with peers.agreeing():
+        try:
+            checked = _check(commit, peers, exc)
+        except BaseException:
+            peers.ended()
+            raise
+        if checked is None:
+            peers.ended()
+        return checked
 
 
 def _check(
@@ -684,7 +704,33 @@ def _nothing_written(commit: Commit, *, collective: bool) -> StagingError:
 
 def land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
     """Steps 4 to 7, on every rank: returns the manifest once the commit file has landed;
-    otherwise keeps the copy and raises."""
+    otherwise keeps the copy and raises. Then retention (the coordinator's; never raises)."""
+    with peers.agreeing():
+        manifest = _landed(commit, peers, tree, union)
+    _retain(commit, peers)
+    return manifest
+
+
+def run(commit: Commit, peers: Peers, exc: Optional[BaseException] = None) -> Optional[Manifest]:
+    """Steps 2 to 7 in the caller: the synchronous commit of a block that returned (``exc``:
+    what it raised). A collective's interrupt between the checks and the landing is told to
+    every rank at step 3; one between ``check`` and ``land`` would leave this rank behind."""
+    with peers.agreeing():
+        checked = check(commit, peers, exc)
+        if checked is None:
+            return None
+        try:
+            manifest = _landed(commit, peers, *checked)
+        except BaseException as stopped:
+            # A Ctrl-C of a world of one before the landing began: the copy, recorded, is kept
+            # (the landing keeps it itself on its own failures: no-op then).
+            commit.keep(stopped, tree=checked[0])
+            raise
+    _retain(commit, peers)
+    return manifest
+
+
+def _landed(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
     try:
         return _land(commit, peers, tree, union)
     finally:
@@ -696,12 +742,20 @@ def _land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
     published: dict[str, Published] = {}
     try:
         peers.prepared(lambda: commit.prepare(union, vouching=VOUCHING), local, tree.paths)
-        own = commit.publish(tree, published, wait=peers.publishing)
+        try:
+            own = commit.publish(tree, published, wait=peers.publishing)
+        except Exception:
+            raise
+        except BaseException as interrupt:  # told to every rank at the next step
+            own = interrupt
         rank = None if commit.part.of == "whole" else commit.part.rank  # a collective's files say whose
         entries = [FileEntry(path, result.nbytes, result.digest or "", rank, result.etag)
                    for path, result in published.items()]  # fmt: skip
         every = peers.landed(entries, own, local)
         manifest = peers.committed(lambda: commit.commit_file(every, union.empty), published, dest)
+        late = peers.interrupted()
+        if late is not None:  # after the last agreement point: the commit file landed
+            raise late
     except Lost as lost:
         commit.keep(lost, published, tree)
         raise peers.lost_error(lost, dest, "no commit file was written", local) from lost
@@ -716,17 +770,14 @@ def _land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
     commit.manifest = manifest
     commit.finish()
     log.debug("%s: committed %d files, %d bytes", dest, len(manifest.files), manifest.total_bytes)
-    if commit.retention is not None and peers.is_coordinator and commit.staging is not None:
-        commit.retention.after_commit(dest, commit.staging.path, spare=commit.spare)  # never raises
     return manifest
 
 
-def run(commit: Commit, peers: Peers, exc: Optional[BaseException] = None) -> Optional[Manifest]:
-    """Steps 2 to 7 in the caller: the synchronous commit of a block that returned."""
-    checked = check(commit, peers, exc)
-    if checked is None:
-        return None
-    return land(commit, peers, *checked)
+def _retain(commit: Commit, peers: Peers) -> None:
+    """keep=N, once the commit landed: the coordinator prunes (never raises; a Ctrl-C stops it)."""
+    if commit.retention is not None and peers.is_coordinator and commit.staging is not None:
+        assert commit.dest is not None
+        commit.retention.after_commit(commit.dest, commit.staging.path, spare=commit.spare)
 
 
 # -- the local directory --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, Optional, Union
 
-from .. import _config, _patch, _work, _writers  # noqa: F401 - _writers: what a block's hooked save does
+from .. import _config, _interrupts, _patch, _work, _writers  # noqa: F401 - _writers: what a block's hooked save does
 from .._config import PathArg, Publish, Settings
 from .._destination import Destination
 from .._errors import ConfigError
@@ -104,11 +104,13 @@ class StagedDir:
         if self._collective:
             from ._collective import Collective
 
-            self._peers = Collective.join(group, self._timeout, self._commit._argument)
-            self._commit.part = Part("collective", self._peers.rank, self._peers.world_size)
+            with _interrupts.deferred():  # joined and started in step on every rank (Peers.agreeing)
+                self._peers = Collective.join(group, self._timeout, self._commit._argument)
+                self._commit.part = Part("collective", self._peers.rank, self._peers.world_size)
+                local = _sequence.enter(self._commit, self._peers)
         else:
             self._peers = Alone()
-        local = _sequence.enter(self._commit, self._peers)
+            local = _sequence.enter(self._commit, self._peers)
         if self._background and not self._collective and _work.may_defer(self):
             self._deferred = Deferred(self.settings)
             _work.adopt(self._deferred)  # this process's: a forked child writes before returning
@@ -142,29 +144,31 @@ class StagedDir:
                 _work.hand_off(job, functools.partial(self._land_later, deferred, job), limit=self._background,
                                not_started=functools.partial(self._keep_later, deferred))  # fmt: skip
                 return
-            checked = _sequence.check(commit, peers, None)
-            assert checked is not None
-            try:
-                if self._background and _work.may_defer(self):
-                    # The rest on a safestage worker; a collective's exchanges run on safestage's
-                    # own gloo group, never the job's, so training's collectives go on meanwhile.
-                    def not_started(exc: BaseException) -> None:
-                        commit.keep(exc, tree=checked[0])
-                        peers.ended()
+            if not (self._background and _work.may_defer(self)):
+                job.result = _sequence.run(commit, peers)
+                return
+            # The rest on a safestage worker; a collective's exchanges run on safestage's own gloo
+            # group, never the job's, so training's collectives go on meanwhile. A Ctrl-C once
+            # its checks passed is the training's: the commit goes on.
+            with peers.agreeing():
+                checked = _sequence.check(commit, peers, None)
+                assert checked is not None
 
+                def not_started(exc: BaseException) -> None:
+                    commit.keep(exc, tree=checked[0])
+                    peers.ended()
+
+                try:
                     _work.hand_off(
                         job, lambda: _sequence.land(commit, peers, *checked), limit=1 if self._collective else self._background,
                         kept=commit.local, not_started=not_started,
                     )  # fmt: skip
-                    return
-                job.result = _sequence.land(commit, peers, *checked)
-            except BaseException as interrupted:
-                # A Ctrl-C between the checks and the landing: the copy, recorded, is kept and
-                # named (land and hand_off keep it themselves on their own failures: no-op then).
-                if not job.background:
-                    commit.keep(interrupted, tree=checked[0])
-                    peers.ended()
-                raise
+                except BaseException as interrupted:
+                    # A Ctrl-C before the hand-off: the copy, recorded, is kept and named
+                    # (hand_off keeps it itself on its own failures: no-op then).
+                    if not job.background:
+                        not_started(interrupted)
+                    raise
 
     def _land_later(self, deferred: Deferred, job: _work.Job) -> Manifest:
         """A background commit whose block's saves were deferred: once they are written, steps

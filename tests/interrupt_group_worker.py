@@ -1,0 +1,151 @@
+"""A rank of tests/test_collective_interrupts.py: a Ctrl-C at every step of a collective commit.
+
+argv: the run directory, a JSON list of the sweeps ({"name", "background", "stride",
+"every_rank"}). For each
+sweep: a dry run records every rank's steps in its main thread (tests/_tap.py: the system calls
+safestage makes, and its gloo exchanges, between the two collectives of each too); then, for
+each rank R and each of its steps K (every ``stride``-th), commit A in which rank R does what a
+Ctrl-C does at step K (SIGINT's handler runs there: KeyboardInterrupt, or noted where safestage
+defers it), then commit B with no interrupt. Each rank reports, per case, what A and B returned
+or raised on it (and ``wait()`` of a background A), and at which step its interrupt fired.
+``points``: real SIGINTs instead, each sent by a timer a while after the block: at that many
+points across the length of a commit measured first, and once after it (``mib``: a file of that
+many MiB on every rank, so that the copies run across several heartbeats).
+``handler``: "flag", a SIGINT handler of the program's own that only notes the signal (a
+training loop that stops at its next step). ``every_rank``: every rank interrupted in each case, each at its own K-th step (a Ctrl-C in the
+terminal reaches every process of the job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+import safestage
+from safestage.checkpoint import _collective
+from tests._tap import Tap
+from tests._two_nodes import report
+
+EXCHANGES = ((_collective, "_gather"), (_collective, "_broadcast"), (_collective, "_hold"))
+TIMEOUT = 30.0  # a rank left behind waits this long, then the case fails (no case should)
+
+
+def write(local: Path, rank: int, mib: int = 0) -> None:
+    save_file({"w": torch.full((4096,), float(rank))}, str(local / f"model-rank{rank}.safetensors"))
+    if mib:  # copies that take a while: several heartbeats while they run
+        save_file({"big": torch.full((mib << 18,), float(rank))}, str(local / f"big-rank{rank}.safetensors"))
+    torch.save({"rank": rank}, local / f"optim-rank{rank}.pt")
+    if rank == 0:
+        (local / "config.json").write_text("{}")
+        torch.save({"step": 1}, local / "meta.pt")  # a trust file: published in phase 2
+
+
+def outcome(call: Any) -> dict[str, Any]:
+    try:
+        manifest = call()
+    except BaseException as exc:  # reported: the test judges it
+        return {"ok": False, "type": type(exc).__name__, "errno": getattr(exc, "errno", None),
+                "error": str(exc)[:400]}  # fmt: skip
+    return {"ok": True, "files": len(manifest.files) if manifest is not None else None}
+
+
+def commit(dest: Path, rank: int, background: bool, tap: Tap, *, mib: int = 0,
+           sigint_after: Optional[float] = None) -> dict[str, Any]:  # fmt: skip
+    """One collective commit; ``sigint_after``: a real SIGINT to this process that many seconds
+    after its block (a timer thread's kill: the kernel hands it to the main thread, wherever
+    that is, a gloo wait included), unless the commit has returned by then."""
+    handle = safestage.staged_dir(dest, group=dist.group.WORLD, timeout=TIMEOUT, background=background)
+    lock, running, sent, block_end = threading.Lock(), [True], [], [0.0]
+
+    def interrupt() -> None:
+        with lock:
+            if running[0]:
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGINT)
+
+    def block() -> Any:
+        try:
+            with tap, handle as local:
+                write(local, rank, mib)
+                block_end[0] = time.monotonic()
+                if sigint_after is not None:
+                    threading.Timer(sigint_after, interrupt).start()
+            return handle.wait() if not background else None
+        finally:
+            with lock:  # no SIGINT after this
+                running[0] = False
+
+    result = outcome(block)
+    result["landing"] = time.monotonic() - block_end[0]  # seconds from the block's end
+    if background:
+        result["wait"] = outcome(handle.wait)
+    if sigint_after is not None:
+        result["sent"] = bool(sent)
+    return result
+
+
+def main() -> None:
+    run, sweeps = Path(sys.argv[1]), json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: list[dict[str, Any]] = []
+    steps_of: dict[str, list[str]] = {}
+    for sweep in sweeps:
+        name, background = sweep["name"], sweep["background"]
+        if "points" in sweep:  # real signals, at times after the block across a commit's length
+            dry_run = commit(run / f"{name}-dry", rank, background, Tap(), mib=sweep["mib"])
+            lengths: list[Any] = [None] * world
+            dist.all_gather_object(lengths, dry_run["landing"])
+            points = sweep["points"]
+            for delay in [max(lengths) * step / points for step in range(points + 1)]:
+                for who in range(world):
+                    index = len([r for r in results if r["sweep"] == name])
+                    started = time.monotonic()
+                    a = commit(run / f"{name}-{index}-a", rank, background, Tap(), mib=sweep["mib"],
+                               sigint_after=delay if who == rank else None)  # fmt: skip
+                    b = commit(run / f"{name}-{index}-b", rank, False, Tap())
+                    results.append({"sweep": name, "case": index, "interrupted": who, "delay": round(delay, 3), "a": a, "b": b,
+                                    "fired": "signal" if a.get("sent") else None,
+                                    "seconds": round(time.monotonic() - started, 2)})  # fmt: skip
+            report(results=results, steps=steps_of)
+            continue
+        handled: list[int] = []
+        if sweep.get("handler") == "flag":  # the program's own handler: it asks for a stop, raises nothing
+            signal.signal(signal.SIGINT, lambda signum, frame: handled.append(signum))
+        dry = Tap(calls=EXCHANGES, main_only=True)
+        commit(run / f"{name}-dry", rank, background, dry)
+        counts: list[Any] = [None] * world
+        dist.all_gather_object(counts, len(dry.steps))
+        steps = steps_of[name] = [step.name for step in dry.steps]
+        if sweep.get("every_rank"):  # a Ctrl-C in the terminal reaches every rank: each at its K-th step
+            cases = [(-1, at) for at in range(0, min(counts), sweep["stride"])]
+        else:
+            cases = [(who, at) for who in range(world) for at in range(0, counts[who], sweep["stride"])]
+        for index, (who, at) in enumerate(cases):
+            started = time.monotonic()
+            tap = Tap(at=at if who in (rank, -1) else None, action="interrupt", calls=EXCHANGES, main_only=True)
+            a = commit(run / f"{name}-{index}-a", rank, background, tap)
+            b = commit(run / f"{name}-{index}-b", rank, False, Tap())
+            results.append({"sweep": name, "case": index, "interrupted": who, "at": at, "a": a, "b": b,
+                            "fired": tap.fired.name if tap.fired is not None else None,
+                            "dry_step": steps[at] if who in (rank, -1) and at < len(steps) else None,
+                            "handled": len(handled), "seconds": round(time.monotonic() - started, 2)})  # fmt: skip
+            handled.clear()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        report(results=results, steps=steps_of)
+    report(results=results, steps=steps_of, finished=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
