@@ -72,7 +72,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__version__ = "0.6.0"
+__version__ = "0.6.1"
 
 __all__ = [
     "COMMIT_NAME",
