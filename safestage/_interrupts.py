@@ -31,6 +31,10 @@ class Noted:
     def __init__(self, previous: Any = None) -> None:
         self.previous = previous
         self.frames: list[Optional[FrameType]] = []
+        self.held = False  # its owner takes what is noted: the deferral's end does not hand it over
+
+    def hold(self) -> None:
+        self.held = True
 
     def note(self, signum: int, frame: Optional[FrameType]) -> None:
         self.frames.append(frame)
@@ -38,12 +42,14 @@ class Noted:
     def take(self) -> Optional[BaseException]:
         """The interrupt noted so far, as its handler raises it, now (KeyboardInterrupt, or what
         a handler of the program's raises); None if none was noted or the handler raises
-        nothing (one that only sets a flag, SIG_IGN). Under SIG_DFL it stays noted: it ends
-        the process when the deferral ends."""
-        if not self.frames or self.previous == signal.SIG_DFL:
+        nothing (one that only sets a flag, SIG_IGN). SIG_DFL is taken as Python's default
+        (KeyboardInterrupt): ended there, the process would leave the others waiting."""
+        if not self.frames:
             return None
         frame = self.frames[0]
         self.frames.clear()
+        if self.previous == signal.SIG_DFL:
+            return KeyboardInterrupt()
         if not callable(self.previous):  # SIG_IGN, or a handler not set from Python
             return None
         try:
@@ -75,7 +81,7 @@ def deferred() -> Iterator[Noted]:
     finally:
         _deferring.remove(noted)
         signal.signal(signal.SIGINT, noted.previous)
-        if noted.frames:
+        if noted.frames and not noted.held:
             _deliver(noted.previous, noted.frames[0])
 
 

@@ -12,7 +12,9 @@ or raised on it (and ``wait()`` of a background A), and at which step its interr
 points across the length of a commit measured first, and once after it (``mib``: a file of that
 many MiB on every rank, so that the copies run across several heartbeats).
 ``handler``: "flag", a SIGINT handler of the program's own that only notes the signal (a
-training loop that stops at its next step). ``every_rank``: every rank interrupted in each case, each at its own K-th step (a Ctrl-C in the
+training loop that stops at its next step); "raise", one that raises an Exception (``Stop``).
+``behind_background`` (with ``points``): each commit A right after a background commit, the
+SIGINT timed from A's start, while A waits for that one. ``every_rank``: every rank interrupted in each case, each at its own K-th step (a Ctrl-C in the
 terminal reaches every process of the job).
 """
 
@@ -32,11 +34,19 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import safestage
+from safestage import _patch, _work
 from safestage.checkpoint import _collective
 from tests._tap import Tap
 from tests._two_nodes import report
 
-EXCHANGES = ((_collective, "_gather"), (_collective, "_broadcast"), (_collective, "_hold"))
+# Steps with no system call of Python's: the exchanges (and between the two collectives of one),
+# the end of step 1 (carry) and the block's end (remove_unstaged_dir: __exit__'s first call).
+EXCHANGES = ((_collective, "_gather"), (_collective, "_broadcast"), (_collective, "_hold"),
+             (_collective.Collective, "carry"), (_patch, "remove_unstaged_dir"))  # fmt: skip
+
+
+class Stop(Exception):
+    """What a program's own SIGINT handler may raise: an Exception, not a KeyboardInterrupt."""
 TIMEOUT = 30.0  # a rank left behind waits this long, then the case fails (no case should)
 
 
@@ -60,10 +70,11 @@ def outcome(call: Any) -> dict[str, Any]:
 
 
 def commit(dest: Path, rank: int, background: bool, tap: Tap, *, mib: int = 0,
-           sigint_after: Optional[float] = None) -> dict[str, Any]:  # fmt: skip
+           sigint_after: Optional[float] = None, from_start: bool = False) -> dict[str, Any]:  # fmt: skip
     """One collective commit; ``sigint_after``: a real SIGINT to this process that many seconds
     after its block (a timer thread's kill: the kernel hands it to the main thread, wherever
-    that is, a gloo wait included), unless the commit has returned by then."""
+    that is, a gloo wait included), unless the commit has returned by then; ``from_start``:
+    from when __enter__ begins to wait for earlier background commits instead."""
     handle = safestage.staged_dir(dest, group=dist.group.WORLD, timeout=TIMEOUT, background=background)
     lock, running, sent, block_end = threading.Lock(), [True], [], [0.0]
 
@@ -75,10 +86,19 @@ def commit(dest: Path, rank: int, background: bool, tap: Tap, *, mib: int = 0,
 
     def block() -> Any:
         try:
+            if from_start and sigint_after is not None:  # once __enter__ waits for the earlier one
+                make_room = _work.make_room
+
+                def timed(*args: Any) -> None:
+                    _work.make_room = make_room
+                    threading.Timer(sigint_after, interrupt).start()
+                    make_room(*args)
+
+                _work.make_room = timed
             with tap, handle as local:
                 write(local, rank, mib)
                 block_end[0] = time.monotonic()
-                if sigint_after is not None:
+                if sigint_after is not None and not from_start:
                     threading.Timer(sigint_after, interrupt).start()
             return handle.wait() if not background else None
         finally:
@@ -87,8 +107,7 @@ def commit(dest: Path, rank: int, background: bool, tap: Tap, *, mib: int = 0,
 
     result = outcome(block)
     result["landing"] = time.monotonic() - block_end[0]  # seconds from the block's end
-    if background:
-        result["wait"] = outcome(handle.wait)
+    result["wait"] = outcome(handle.wait)  # what the handle says of the commit, raised or not
     if sigint_after is not None:
         result["sent"] = bool(sent)
     return result
@@ -103,7 +122,8 @@ def main() -> None:
     for sweep in sweeps:
         name, background = sweep["name"], sweep["background"]
         if "points" in sweep:  # real signals, at times after the block across a commit's length
-            dry_run = commit(run / f"{name}-dry", rank, background, Tap(), mib=sweep["mib"])
+            behind = sweep.get("behind_background", False)  # each case behind a background commit
+            dry_run = commit(run / f"{name}-dry", rank, background or behind, Tap(), mib=sweep["mib"])
             lengths: list[Any] = [None] * world
             dist.all_gather_object(lengths, dry_run["landing"])
             points = sweep["points"]
@@ -111,10 +131,14 @@ def main() -> None:
                 for who in range(world):
                     index = len([r for r in results if r["sweep"] == name])
                     started = time.monotonic()
-                    a = commit(run / f"{name}-{index}-a", rank, background, Tap(), mib=sweep["mib"],
-                               sigint_after=delay if who == rank else None)  # fmt: skip
+                    before = None
+                    if behind:  # A waits for it before its block: a Ctrl-C meanwhile
+                        before = commit(run / f"{name}-{index}-before", rank, True, Tap(), mib=sweep["mib"])
+                    a = commit(run / f"{name}-{index}-a", rank, background, Tap(), mib=0 if behind else sweep["mib"],
+                               sigint_after=delay if who == rank else None, from_start=behind)  # fmt: skip
                     b = commit(run / f"{name}-{index}-b", rank, False, Tap())
                     results.append({"sweep": name, "case": index, "interrupted": who, "delay": round(delay, 3), "a": a, "b": b,
+                                    "before": before,
                                     "fired": "signal" if a.get("sent") else None,
                                     "seconds": round(time.monotonic() - started, 2)})  # fmt: skip
             report(results=results, steps=steps_of)
@@ -122,6 +146,12 @@ def main() -> None:
         handled: list[int] = []
         if sweep.get("handler") == "flag":  # the program's own handler: it asks for a stop, raises nothing
             signal.signal(signal.SIGINT, lambda signum, frame: handled.append(signum))
+        if sweep.get("handler") == "raise":  # the program's own handler raising an Exception
+
+            def stop(signum: int, frame: Any) -> None:
+                raise Stop("stopped by the program's SIGINT handler")
+
+            signal.signal(signal.SIGINT, stop)
         dry = Tap(calls=EXCHANGES, main_only=True)
         commit(run / f"{name}-dry", rank, background, dry)
         counts: list[Any] = [None] * world

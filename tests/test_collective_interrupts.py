@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 import safestage
+from safestage._names import KEPT_RECORD
 from tests._two_nodes import launch
 
 WORKER = Path(__file__).with_name("interrupt_group_worker.py")
@@ -43,6 +44,8 @@ SWEEPS = [
     {"name": "every-rank", "background": False, "stride": 1, "every_rank": True},
     {"name": "real-signal", "background": False, "points": 16, "mib": 128},
     {"name": "own-handler", "background": False, "stride": 3, "handler": "flag"},
+    {"name": "raising-handler", "background": False, "stride": 2, "handler": "raise"},
+    {"name": "behind-background", "background": False, "points": 8, "mib": 64, "behind_background": True},
 ]
 
 
@@ -57,7 +60,8 @@ def job(tmp_path_factory: pytest.TempPathFactory, shm_dir_module: Path) -> dict[
                  nproc_per_node=1, timeout=400)  # fmt: skip
     assert not ran.timed_out and ran.returncodes == [0, 0], ran.output()
     assert sorted(ran.reports) == [0, 1] and all(r.get("finished") for r in ran.reports.values()), ran.output()
-    return {"job": ran, "run": run}
+    kept = {record.parent.name for root in roots for record in root.glob(f"*/*/{KEPT_RECORD}")}
+    return {"job": ran, "run": run, "kept": kept}
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +90,9 @@ def _complete(dest: Path) -> bool:
     return dest.exists() and safestage.verify(dest).complete
 
 
-def _judge(job: dict[str, Any], sweep: str) -> tuple[int, int]:
-    """Asserts the promise for every case of ``sweep``; returns (cases, cases whose interrupt fired)."""
+def _judge(job: dict[str, Any], sweep: str, raised: str = "KeyboardInterrupt") -> tuple[int, int]:
+    """Asserts the promise for every case of ``sweep``; returns (cases, cases whose interrupt
+    fired). ``raised``: what the interrupted rank raises (what its SIGINT handler raises)."""
     cases = _cases(job, sweep)
     fired = 0
     for zero, one, a, b in cases:
@@ -98,14 +103,21 @@ def _judge(job: dict[str, Any], sweep: str) -> tuple[int, int]:
         context = (sweep, zero["case"], who, zero.get("at", zero.get("delay")), where, zero["a"], one["a"])
         for rank in interrupted:
             if ranks[rank]["fired"] is not None:
-                assert ranks[rank]["a"].get("type") == "KeyboardInterrupt", context  # never swallowed
+                assert ranks[rank]["a"].get("type") == raised, context  # never swallowed
         if all(ranks[rank]["fired"] is not None for rank in interrupted):
             fired += 1
         others = [ranks[rank] for rank in (0, 1) if rank not in interrupted or ranks[rank]["fired"] is None]
+        complete = _complete(a)
         for other in others:
             assert other["a"]["ok"] or other["a"]["type"] == "PublishError", context
-            landed = other["wait"]["ok"] if "wait" in other else other["a"]["ok"]
-            assert landed == _complete(a), context  # returned exactly when A is complete
+            assert other["a"]["wait"]["ok"] == complete, context  # returned exactly when A is complete
+        if complete:  # every handle says so, the interrupted rank's too; no copy is kept
+            assert zero["a"]["wait"]["ok"] and one["a"]["wait"]["ok"], (context, zero["a"]["wait"], one["a"]["wait"])
+            assert a.name not in job["kept"], context
+        elif any("every rank's local copy was removed" in r["a"].get("error", "") for r in ranks):
+            assert a.name not in job["kept"], context  # as the message says
+        for before in (zero.get("before"), one.get("before")):
+            assert before is None or before["wait"]["ok"], (context, before)  # the commit it waited for
         for rank in (0, 1):
             assert ranks[rank]["b"]["ok"], (context, ranks[rank]["b"])  # every rank still in step
             assert ranks[rank]["seconds"] < WAITED, context  # nobody waited for a rank left behind
@@ -126,7 +138,8 @@ def test_a_ctrl_c_on_one_rank_at_any_step_of_a_collective_commit_ends_it_alike_o
     # The steps of a run may differ a little from the dry run's (heartbeats are timed): almost
     # every one fires; every kind of step was reached.
     assert fired >= cases - 4, (fired, cases)
-    assert {"_gather", "_hold", "open", "replace" if sweep == "each-step" else "scandir"} <= set(steps[0]), steps[0]
+    assert {"_gather", "_hold", "carry", "remove_unstaged_dir", "open",
+            "replace" if sweep == "each-step" else "scandir"} <= set(steps[0]), steps[0]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -151,6 +164,25 @@ def test_a_real_sigint_at_any_time_of_a_collective_commit_with_copies_in_flight_
     said = [entry["a"].get("error", "") for entry in job["job"].reports[0]["results"]
             if entry["sweep"] == "real-signal" and entry["interrupted"] == 1]  # fmt: skip
     assert any("rank 1 was interrupted (KeyboardInterrupt). No commit file" in text for text in said), said  # mid-copy
+
+
+@pytest.mark.slow
+@pytest.mark.regression("0.6.1 review: a handler raising an Exception skipped two exchanges on that rank")
+def test_a_sigint_handler_raising_an_exception_ends_the_collective_commit_alike_on_every_rank_and_the_next_lands(
+    job: dict[str, Any],
+) -> None:
+    cases, fired = _judge(job, "raising-handler", raised="Stop")
+    assert fired >= cases - 3, (cases, fired)
+
+
+@pytest.mark.slow
+@pytest.mark.regression("0.6.1 review: a Ctrl-C while __enter__ waited for an earlier background commit put the "
+                        "ranks out of step")  # fmt: skip
+def test_a_ctrl_c_while_a_collective_commit_waits_for_the_background_one_before_it_ends_it_alike_on_every_rank(
+    job: dict[str, Any],
+) -> None:
+    cases, fired = _judge(job, "behind-background")
+    assert cases == 2 * 9 and fired >= cases // 3, (cases, fired)
 
 
 @pytest.mark.slow

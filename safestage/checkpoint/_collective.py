@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional
 
 from .._destination import Destination
 from .._errors import ConfigError, PublishError
-from .._interrupts import deferred, taken
+from .._interrupts import Noted, deferred, taken
 from .._locks import process_alive
 from .._names import HOST
 from .._publish import Published
@@ -125,6 +125,8 @@ class Collective:
         self.group = _own_group(dist, self.ranks, self.timeout)
         self.pids: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), from the started exchange
         self.dest: Any = None  # the checkpoint, as given, then as the kernel names it
+        self._carried: Optional[Noted] = None  # interrupts noted after step 1, for step 2 (carry)
+        self._interrupt: Optional[BaseException] = None  # the first one taken: raised as it is
 
     @classmethod
     def join(cls, group: Any, timeout: float, dest: Any) -> Collective:
@@ -143,8 +145,21 @@ class Collective:
     def ended(self) -> None:
         """Let go of the group: a handle kept to a finished commit must not keep it alive after
         the job's destroy_process_group() (a fork after it would crash at the child's exit).
-        Held until now, a commit in flight goes on whatever the job tears down meanwhile."""
+        Held until now, a commit in flight goes on whatever the job tears down meanwhile.
+        An interrupt carried from step 1 and never taken (the block raised): raised now."""
         self.group = None
+        carried, self._carried = self._carried, None
+        if carried is not None and threading.current_thread() is threading.main_thread():
+            late = carried.take()
+            if late is not None:
+                raise late
+
+    def carry(self, noted: Noted) -> None:
+        """What ``noted`` (step 1's deferral) notes from now until its end is taken at step 2,
+        not raised as the deferral ends: raised out of ``__enter__``, it would skip the block's
+        end, and this rank step 2."""
+        noted.hold()
+        self._carried = noted
 
     def agreeing(self) -> AbstractContextManager[object]:
         """Interrupts deferred (in the main thread: the one a Ctrl-C reaches) from here to the
@@ -156,7 +171,12 @@ class Collective:
         return deferred()
 
     def interrupted(self) -> Optional[BaseException]:
-        return taken()
+        late = taken()
+        if late is None and self._carried is not None:
+            late = self._carried.take()
+        if late is not None and self._interrupt is None:
+            self._interrupt = late
+        return late
 
     def exchange(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in group order (the same list on every rank). PeerLost if
@@ -310,12 +330,12 @@ class Collective:
         if error is None:
             mine: tuple[str, Any] = ("published", [(e.path, e.size, e.digest, e.etag) for e in entries])
         else:
-            mine = ("failed" if isinstance(error, Exception) else "interrupted", _describe(error))
+            mine = ("interrupted" if error is self._interrupt else "failed", _describe(error))
         outcomes = self.exchange(mine)
         failures = [(rank, how, said) for rank, (how, said) in zip(self.ranks, outcomes) if how != "published"]
         if failures:
-            if error is not None and not isinstance(error, Exception):
-                raise error  # KeyboardInterrupt, SystemExit: as they are
+            if error is not None and (error is self._interrupt or not isinstance(error, Exception)):
+                raise error  # an interrupt (what the SIGINT handler raised), SystemExit: as they are
             rank, how, text = failures[0]
             what = f"was interrupted ({text})" if how == "interrupted" else f"could not publish: {text.rstrip('.')}"
             published = {entry.path for entry in entries}

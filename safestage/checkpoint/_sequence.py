@@ -607,14 +607,15 @@ class Alone:
 # -- the sequence, run ---------------------------------------------------------------------------------
 
 
-def enter(commit: Commit, peers: Peers) -> Path:
-    """Step 1 on every rank: its local directory, or every rank raises and none writes."""
+def enter(commit: Commit, peers: Peers, problem: Optional[BaseException] = None) -> Path:
+    """Step 1 on every rank: its local directory, or every rank raises and none writes.
+    ``problem``: what stopped this rank before it could start, told to every rank likewise."""
     with peers.agreeing():
-        problem: Optional[BaseException] = None
-        try:
-            commit.open()
-        except BaseException as exc:  # told to every rank, then raised here
-            problem = exc
+        if problem is None:
+            try:
+                commit.open()
+            except BaseException as exc:  # told to every rank, then raised here
+                problem = exc
         try:
             peers.started(problem, commit.dest if problem is None else None)
         except BaseException:
@@ -668,6 +669,8 @@ def _check(
             raise peers.lost_error(
                 stopped, commit.dest, "before any rank published", commit.local
             ) from stopped
+        elif commit.part.of == "collective":  # an interrupt: a part no recover commits alone
+            commit.discard()
         else:  # an interrupt while checking: the block returned, so the copy is complete
             commit.keep(stopped, tree=tree)
         raise
@@ -707,14 +710,17 @@ def land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
     otherwise keeps the copy and raises. Then retention (the coordinator's; never raises)."""
     with peers.agreeing():
         manifest = _landed(commit, peers, tree, union)
-    _retain(commit, peers)
+    retain(commit, peers)
     return manifest
 
 
-def run(commit: Commit, peers: Peers, exc: Optional[BaseException] = None) -> Optional[Manifest]:
+def run(
+    commit: Commit, peers: Peers, exc: Optional[BaseException] = None, *, with_retention: bool = True
+) -> Optional[Manifest]:
     """Steps 2 to 7 in the caller: the synchronous commit of a block that returned (``exc``:
     what it raised). A collective's interrupt between the checks and the landing is told to
-    every rank at step 3; one between ``check`` and ``land`` would leave this rank behind."""
+    every rank at step 3; one between ``check`` and ``land`` would leave this rank behind.
+    ``with_retention``: retention too (else the caller's, once it holds the manifest)."""
     with peers.agreeing():
         checked = check(commit, peers, exc)
         if checked is None:
@@ -726,7 +732,8 @@ def run(commit: Commit, peers: Peers, exc: Optional[BaseException] = None) -> Op
             # (the landing keeps it itself on its own failures: no-op then).
             commit.keep(stopped, tree=checked[0])
             raise
-    _retain(commit, peers)
+    if with_retention:
+        retain(commit, peers)
     return manifest
 
 
@@ -744,18 +751,15 @@ def _land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
         peers.prepared(lambda: commit.prepare(union, vouching=VOUCHING), local, tree.paths)
         try:
             own = commit.publish(tree, published, wait=peers.publishing)
-        except Exception:
+        except Lost:
             raise
-        except BaseException as interrupt:  # told to every rank at the next step
-            own = interrupt
+        except BaseException as stopped:  # an interrupt (what a SIGINT handler raised): told at the next step
+            own = stopped
         rank = None if commit.part.of == "whole" else commit.part.rank  # a collective's files say whose
         entries = [FileEntry(path, result.nbytes, result.digest or "", rank, result.etag)
                    for path, result in published.items()]  # fmt: skip
         every = peers.landed(entries, own, local)
         manifest = peers.committed(lambda: commit.commit_file(every, union.empty), published, dest)
-        late = peers.interrupted()
-        if late is not None:  # after the last agreement point: the commit file landed
-            raise late
     except Lost as lost:
         commit.keep(lost, published, tree)
         raise peers.lost_error(lost, dest, "no commit file was written", local) from lost
@@ -770,14 +774,25 @@ def _land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
     commit.manifest = manifest
     commit.finish()
     log.debug("%s: committed %d files, %d bytes", dest, len(manifest.files), manifest.total_bytes)
+    late = peers.interrupted()
+    if late is not None:  # after the last agreement point: every rank has the commit file
+        note(late, f"safestage: interrupted after {dest} was committed (it is complete)")
+        raise late
     return manifest
 
 
-def _retain(commit: Commit, peers: Peers) -> None:
-    """keep=N, once the commit landed: the coordinator prunes (never raises; a Ctrl-C stops it)."""
-    if commit.retention is not None and peers.is_coordinator and commit.staging is not None:
-        assert commit.dest is not None
+def retain(commit: Commit, peers: Peers) -> None:
+    """keep=N, once the commit landed: the coordinator prunes (never raises; a Ctrl-C stops it,
+    the commit complete all the same)."""
+    if commit.retention is None or not peers.is_coordinator or commit.staging is None:
+        return
+    assert commit.dest is not None
+    try:
         commit.retention.after_commit(commit.dest, commit.staging.path, spare=commit.spare)
+    except BaseException as exc:
+        note(exc, f"safestage: interrupted while pruning beside {commit.dest}, which was committed (it is "
+                  "complete); the next commit with keep= prunes again")  # fmt: skip
+        raise
 
 
 # -- the local directory --------------------------------------------------------------------------

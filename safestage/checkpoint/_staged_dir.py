@@ -92,29 +92,45 @@ class StagedDir:
             raise RuntimeError(
                 "this staged_dir was already used; call safestage.staged_dir() again"
             )
-        self._state = "open"
-        group, self._group = self._group, None  # never kept past here: see __init__
-        _work.adopt(self)  # its commit may go on in the background in this process only
-        if self._background or self._collective:
-            # Never more local copies than commits allowed in flight; a collective commit
-            # waits for every earlier one, whose exchanges share its gloo group.
-            _work.make_room("commit", 1 if self._collective else self._background)
-        _work.raise_unseen(lambda job: isinstance(job.owner, StagedDir),
-                           "safestage: raised here, at the next staged_dir: the background commit of {dest} failed")  # fmt: skip
         if self._collective:
-            from ._collective import Collective
-
-            with _interrupts.deferred():  # joined and started in step on every rank (Peers.agreeing)
-                self._peers = Collective.join(group, self._timeout, self._commit._argument)
-                self._commit.part = Part("collective", self._peers.rank, self._peers.world_size)
-                local = _sequence.enter(self._commit, self._peers)
-        else:
-            self._peers = Alone()
-            local = _sequence.enter(self._commit, self._peers)
-        if self._background and not self._collective and _work.may_defer(self):
+            with _interrupts.deferred() as noted:  # first of all: see _enter_collective
+                return self._enter_collective(noted)
+        self._state = "open"
+        self._group = None  # never kept past here: see __init__ (the job's group is for a collective)
+        _work.adopt(self)  # its commit may go on in the background in this process only
+        if self._background:  # never more local copies than commits allowed in flight
+            _work.make_room("commit", self._background)
+        _raise_unseen()
+        self._peers = Alone()
+        local = _sequence.enter(self._commit, self._peers)
+        if self._background and _work.may_defer(self):
             self._deferred = Deferred(self.settings)
             _work.adopt(self._deferred)  # this process's: a forked child writes before returning
         _patch.add_unstaged_dir(local, self._deferred)
+        return local
+
+    def _enter_collective(self, noted: _interrupts.Noted) -> Path:
+        """Step 1 of a collective commit, which every rank reaches whatever stops it before:
+        told there, every rank raises (``Peers.agreeing``): a Ctrl-C while it waits for an
+        earlier background commit (whose exchanges share its gloo group: the wait cannot be
+        cut short), that commit's failure not yet seen. What is noted after step 1 is taken
+        at step 2, never raised out of ``__enter__`` (``__exit__`` would not run)."""
+        from ._collective import Collective
+
+        self._state = "open"
+        group, self._group = self._group, None  # never kept past here: see __init__
+        _work.adopt(self)  # its commit may go on in the background in this process only
+        _work.make_room("commit", 1)  # every earlier one: their exchanges share its gloo group
+        problem: Optional[BaseException] = None
+        try:
+            _raise_unseen()
+        except BaseException as failed:
+            problem = failed
+        self._peers = peers = Collective.join(group, self._timeout, self._commit._argument)
+        self._commit.part = Part("collective", peers.rank, peers.world_size)
+        local = _sequence.enter(self._commit, peers, problem)
+        _patch.add_unstaged_dir(local, None)
+        peers.carry(noted)
         return local
 
     def __exit__(
@@ -127,6 +143,20 @@ class StagedDir:
         assert commit.local is not None and commit.dest is not None and peers is not None, (
             "__exit__ without __enter__"
         )
+        # First: from here on a collective's Ctrl-C is told to every rank (Peers.agreeing).
+        late: Optional[BaseException] = None
+        with peers.agreeing():
+            landed, late = self._exit(exc)
+        if landed:
+            _sequence.retain(commit, peers)  # a Ctrl-C stops it: the commit has landed
+        if late is not None:
+            raise late
+
+    def _exit(self, exc: Optional[BaseException]) -> tuple[bool, Optional[BaseException]]:
+        """The block's end: whether a synchronous commit landed (retention is due), and an
+        interrupt that came after it landed (raised once the handle holds the manifest)."""
+        commit, peers = self._commit, self._peers
+        assert commit.local is not None and commit.dest is not None and peers is not None
         self._state = "closed"
         _patch.remove_unstaged_dir(commit.local)
         deferred = self._deferred
@@ -134,7 +164,8 @@ class StagedDir:
             if deferred is not None:
                 deferred.settle()  # written (or failed) before the directory goes
             _sequence.check(commit, peers, exc)
-            return
+            return False, None
+        late: Optional[BaseException] = None
         with _work.running("commit", commit.dest, self) as job:
             self._job = job
             if deferred is not None and deferred.jobs:
@@ -143,32 +174,40 @@ class StagedDir:
                 # Not kept (complete) until they are: _land_later says so then.
                 _work.hand_off(job, functools.partial(self._land_later, deferred, job), limit=self._background,
                                not_started=functools.partial(self._keep_later, deferred))  # fmt: skip
-                return
+                return False, None
             if not (self._background and _work.may_defer(self)):
-                job.result = _sequence.run(commit, peers)
-                return
+                try:
+                    job.result = _sequence.run(commit, peers, with_retention=False)
+                except BaseException as stopped:
+                    if commit.manifest is None:
+                        raise
+                    # Interrupted once the commit file had landed (the interrupt is whatever the
+                    # SIGINT handler raised): the handle's wait() returns the manifest; the
+                    # interrupt goes on from the block's end.
+                    job.result, late = commit.manifest, stopped
+                return late is None, late
             # The rest on a safestage worker; a collective's exchanges run on safestage's own gloo
             # group, never the job's, so training's collectives go on meanwhile. A Ctrl-C once
             # its checks passed is the training's: the commit goes on.
-            with peers.agreeing():
-                checked = _sequence.check(commit, peers, None)
-                assert checked is not None
+            checked = _sequence.check(commit, peers, None)
+            assert checked is not None
 
-                def not_started(exc: BaseException) -> None:
-                    commit.keep(exc, tree=checked[0])
-                    peers.ended()
+            def not_started(exc: BaseException) -> None:
+                commit.keep(exc, tree=checked[0])
+                peers.ended()
 
-                try:
-                    _work.hand_off(
-                        job, lambda: _sequence.land(commit, peers, *checked), limit=1 if self._collective else self._background,
-                        kept=commit.local, not_started=not_started,
-                    )  # fmt: skip
-                except BaseException as interrupted:
-                    # A Ctrl-C before the hand-off: the copy, recorded, is kept and named
-                    # (hand_off keeps it itself on its own failures: no-op then).
-                    if not job.background:
-                        not_started(interrupted)
-                    raise
+            try:
+                _work.hand_off(
+                    job, lambda: _sequence.land(commit, peers, *checked), limit=1 if self._collective else self._background,
+                    kept=commit.local, not_started=not_started,
+                )  # fmt: skip
+            except BaseException as interrupted:
+                # A Ctrl-C before the hand-off: the copy, recorded, is kept and named
+                # (hand_off keeps it itself on its own failures: no-op then).
+                if not job.background:
+                    not_started(interrupted)
+                raise
+        return False, None
 
     def _land_later(self, deferred: Deferred, job: _work.Job) -> Manifest:
         """A background commit whose block's saves were deferred: once they are written, steps
@@ -223,6 +262,11 @@ class StagedDir:
         if self._job is None:
             return self._state == "closed"
         return self._job.done()
+
+
+def _raise_unseen() -> None:
+    _work.raise_unseen(lambda job: isinstance(job.owner, StagedDir),
+                       "safestage: raised here, at the next staged_dir: the background commit of {dest} failed")  # fmt: skip
 
 
 def staged_dir(
