@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support import long_tier
 
 import safestage
 from safestage._names import KEPT_RECORD
@@ -38,13 +39,16 @@ from tests._two_nodes import launch
 
 WORKER = Path(__file__).with_name("interrupt_group_worker.py")
 WAITED = 15.0  # seconds: a case that took this long waited for a rank left behind (timeout 30 s)
+# Every step of both ranks, synchronous, in every tier; the long tier (SAFESTAGE_LONG=1) takes
+# every step of the other sweeps too, CI every second or third (a step of each kind all the same).
+EVERY = 1 if long_tier() else 2
 SWEEPS = [
     {"name": "each-step", "background": False, "stride": 1},
-    {"name": "each-step-background", "background": True, "stride": 1},
-    {"name": "every-rank", "background": False, "stride": 1, "every_rank": True},
+    {"name": "each-step-background", "background": True, "stride": EVERY},
+    {"name": "every-rank", "background": False, "stride": EVERY, "every_rank": True},
     {"name": "real-signal", "background": False, "points": 16, "mib": 128},
-    {"name": "own-handler", "background": False, "stride": 3, "handler": "flag"},
-    {"name": "raising-handler", "background": False, "stride": 2, "handler": "raise"},
+    {"name": "own-handler", "background": False, "stride": 3 * EVERY, "handler": "flag"},
+    {"name": "raising-handler", "background": False, "stride": 2 * EVERY, "handler": "raise"},
     {"name": "behind-background", "background": False, "points": 8, "mib": 64, "behind_background": True},
 ]
 
@@ -134,7 +138,8 @@ def test_a_ctrl_c_on_one_rank_at_any_step_of_a_collective_commit_ends_it_alike_o
 ) -> None:
     steps = job["job"].reports[0]["steps"][sweep], job["job"].reports[1]["steps"][sweep]
     cases, fired = _judge(job, sweep)
-    assert cases == len(steps[0]) + len(steps[1]), (cases, steps)
+    stride = next(entry["stride"] for entry in SWEEPS if entry["name"] == sweep)
+    assert cases == sum(len(range(0, len(ranks_steps), stride)) for ranks_steps in steps), (cases, steps)
     # The steps of a run may differ a little from the dry run's (heartbeats are timed): almost
     # every one fires; every kind of step was reached.
     assert fired >= cases - 4, (fired, cases)
@@ -149,7 +154,7 @@ def test_a_ctrl_c_reaching_every_rank_at_once_ends_the_commit_on_every_rank_and_
     job: dict[str, Any],
 ) -> None:
     cases, fired = _judge(job, "every-rank")
-    assert cases >= 40 and fired >= cases - 4, (cases, fired)
+    assert cases >= 40 // EVERY and fired >= cases - 4, (cases, fired)
 
 
 @pytest.mark.slow
@@ -182,7 +187,8 @@ def test_a_ctrl_c_while_a_collective_commit_waits_for_the_background_one_before_
     job: dict[str, Any],
 ) -> None:
     cases, fired = _judge(job, "behind-background")
-    assert cases == 2 * 9 and fired >= cases // 3, (cases, fired)
+    # Timed across a commit measured first: on a loaded machine most come after A returned.
+    assert cases == 2 * 9 and fired >= 2, (cases, fired)
 
 
 @pytest.mark.slow
