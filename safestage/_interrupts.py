@@ -40,23 +40,35 @@ class Noted:
         self.frames.append(frame)
 
     def take(self) -> Optional[BaseException]:
-        """The interrupt noted so far, as its handler raises it, now (KeyboardInterrupt, or what
-        a handler of the program's raises); None if none was noted or the handler raises
-        nothing (one that only sets a flag, SIG_IGN). SIG_DFL is taken as Python's default
-        (KeyboardInterrupt): ended there, the process would leave the others waiting."""
-        if not self.frames:
-            return None
-        frame = self.frames[0]
-        self.frames.clear()
-        if self.previous == signal.SIG_DFL:
-            return KeyboardInterrupt()
-        if not callable(self.previous):  # SIG_IGN, or a handler not set from Python
-            return None
-        try:
-            self.previous(signal.SIGINT, frame)
-        except BaseException as exc:
-            return exc
+        """The interrupts noted so far, each handed to its handler now, in order: what the first
+        that raises raises (KeyboardInterrupt, or what a handler of the program's raises); None
+        if none was noted or the handler raises nothing (one that only sets a flag, SIG_IGN).
+        SIG_DFL is taken as Python's default (KeyboardInterrupt): ended there, the process
+        would leave the other ranks waiting."""
+        frames, self.frames = self.frames, []
+        for frame in frames:
+            if self.previous == signal.SIG_DFL:
+                return KeyboardInterrupt()
+            if not callable(self.previous):  # SIG_IGN, or a handler not set from Python
+                continue
+            try:
+                self.previous(signal.SIGINT, frame)
+            except BaseException as exc:
+                return exc
+            finally:
+                self._kept_deferring()
         return None
+
+    def _kept_deferring(self) -> None:
+        """After the program's handler ran: one that set another handler (a first Ctrl-C asks
+        for a stop, and arms the default for a second) made that the program's choice, to be
+        restored at the end, and must not end the deferral before then."""
+        if self not in _deferring:
+            return
+        now = signal.getsignal(signal.SIGINT)
+        if now != self.note:
+            self.previous = now
+            signal.signal(signal.SIGINT, self.note)
 
 
 @contextlib.contextmanager

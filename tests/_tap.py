@@ -89,8 +89,10 @@ class Tap:
 
     def __init__(self, at: Optional[int] = None, action: Optional[str] = None,
                  callback: Optional[Callable[[], None]] = None, *, requests: bool = False,
-                 calls: tuple[tuple[Any, str], ...] = (), main_only: bool = False) -> None:  # fmt: skip
+                 calls: tuple[tuple[Any, str], ...] = (), main_only: bool = False,
+                 again: Optional[int] = None) -> None:  # fmt: skip
         self.at = at
+        self.again = again  # a second step to act at (a second Ctrl-C)
         self.requests = requests
         self.calls = calls  # more functions to count, each (module, name): named by its name
         self.main_only = main_only  # count the main thread's calls only (where Ctrl-C lands)
@@ -98,6 +100,7 @@ class Tap:
         self.callback = callback
         self.steps: list[Step] = []
         self.fired: Optional[Step] = None
+        self.fired_again: Optional[Step] = None
         self.forked: Optional[int] = None  # the child's pid, for action="fork"
         self.child: Optional[Callable[[], int]] = None  # what a forked child runs (its exit code)
         self._saved: list[tuple[Any, str, Any]] = []
@@ -140,10 +143,13 @@ class Tap:
                 step = Step(len(tap.steps), name, repr(args[0])[-80:] if args else "",
                             threading.current_thread().name, caller.f_globals["__name__"])  # fmt: skip
                 tap.steps.append(step)
-                act = step.index == tap.at
+                act = step.index == tap.at or (tap.again is not None and step.index == tap.again)
             if not act:
                 return real(*args, **kwargs)
-            tap.fired = step
+            if tap.fired is not None and step.index == tap.again:
+                tap.fired_again = step
+            else:
+                tap.fired = step
             return tap._act(step, real, args, kwargs)
 
         self._saved.append((owner, attr, real))

@@ -12,7 +12,9 @@ or raised on it (and ``wait()`` of a background A), and at which step its interr
 points across the length of a commit measured first, and once after it (``mib``: a file of that
 many MiB on every rank, so that the copies run across several heartbeats).
 ``handler``: "flag", a SIGINT handler of the program's own that only notes the signal (a
-training loop that stops at its next step); "raise", one that raises an Exception (``Stop``).
+training loop that stops at its next step); "raise", one that raises an Exception (``Stop``);
+"swap", one that notes a first Ctrl-C and sets Python's default for a second (``again``: the
+second, that many steps after the first).
 ``behind_background`` (with ``points``): each commit A right after a background commit, the
 SIGINT timed from A's start, while A waits for that one. ``every_rank``: every rank interrupted in each case, each at its own K-th step (a Ctrl-C in the
 terminal reaches every process of the job).
@@ -106,8 +108,8 @@ def commit(dest: Path, rank: int, background: bool, tap: Tap, *, mib: int = 0,
                 running[0] = False
 
     result = outcome(block)
-    result["landing"] = time.monotonic() - block_end[0]  # seconds from the block's end
     result["wait"] = outcome(handle.wait)  # what the handle says of the commit, raised or not
+    result["landing"] = time.monotonic() - block_end[0]  # seconds from the block's end to landed
     if sigint_after is not None:
         result["sent"] = bool(sent)
     return result
@@ -152,6 +154,13 @@ def main() -> None:
                 raise Stop("stopped by the program's SIGINT handler")
 
             signal.signal(signal.SIGINT, stop)
+
+        def graceful(signum: int, frame: Any) -> None:  # a first Ctrl-C asks; a second is the default's
+            handled.append(signum)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        if sweep.get("handler") == "swap":
+            signal.signal(signal.SIGINT, graceful)
         dry = Tap(calls=EXCHANGES, main_only=True)
         commit(run / f"{name}-dry", rank, background, dry)
         counts: list[Any] = [None] * world
@@ -163,14 +172,20 @@ def main() -> None:
             cases = [(who, at) for who in range(world) for at in range(0, counts[who], sweep["stride"])]
         for index, (who, at) in enumerate(cases):
             started = time.monotonic()
-            tap = Tap(at=at if who in (rank, -1) else None, action="interrupt", calls=EXCHANGES, main_only=True)
+            again = at + sweep["again"] if "again" in sweep else None
+            tap = Tap(at=at if who in (rank, -1) else None, action="interrupt", calls=EXCHANGES, main_only=True,
+                      again=again if who in (rank, -1) else None)  # fmt: skip
             a = commit(run / f"{name}-{index}-a", rank, background, tap)
             b = commit(run / f"{name}-{index}-b", rank, False, Tap())
             results.append({"sweep": name, "case": index, "interrupted": who, "at": at, "a": a, "b": b,
                             "fired": tap.fired.name if tap.fired is not None else None,
                             "dry_step": steps[at] if who in (rank, -1) and at < len(steps) else None,
+                            "fired_again": tap.fired_again.name if tap.fired_again is not None else None,
+                            "default_after": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
                             "handled": len(handled), "seconds": round(time.monotonic() - started, 2)})  # fmt: skip
             handled.clear()
+            if sweep.get("handler") == "swap":
+                signal.signal(signal.SIGINT, graceful)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         report(results=results, steps=steps_of)
     report(results=results, steps=steps_of, finished=True)

@@ -49,6 +49,7 @@ SWEEPS = [
     {"name": "real-signal", "background": False, "points": 16, "mib": 128},
     {"name": "own-handler", "background": False, "stride": 3 * EVERY, "handler": "flag"},
     {"name": "raising-handler", "background": False, "stride": 2 * EVERY, "handler": "raise"},
+    {"name": "second-ctrl-c", "background": False, "stride": 2 * EVERY, "handler": "swap", "again": 4},
     {"name": "behind-background", "background": False, "points": 8, "mib": 64, "behind_background": True},
 ]
 
@@ -64,7 +65,9 @@ def job(tmp_path_factory: pytest.TempPathFactory, shm_dir_module: Path) -> dict[
                  nproc_per_node=1, timeout=400)  # fmt: skip
     assert not ran.timed_out and ran.returncodes == [0, 0], ran.output()
     assert sorted(ran.reports) == [0, 1] and all(r.get("finished") for r in ran.reports.values()), ran.output()
-    kept = {record.parent.name for root in roots for record in root.glob(f"*/*/{KEPT_RECORD}")}
+    kept = {Path(json.loads(record.read_text())["destination"]).name for root in roots
+            for record in root.glob(f"*/{KEPT_RECORD}")}  # fmt: skip
+    assert kept, "no case kept a copy: the kept copies' check below would prove nothing"
     return {"job": ran, "run": run, "kept": kept}
 
 
@@ -140,9 +143,9 @@ def test_a_ctrl_c_on_one_rank_at_any_step_of_a_collective_commit_ends_it_alike_o
     cases, fired = _judge(job, sweep)
     stride = next(entry["stride"] for entry in SWEEPS if entry["name"] == sweep)
     assert cases == sum(len(range(0, len(ranks_steps), stride)) for ranks_steps in steps), (cases, steps)
-    # The steps of a run may differ a little from the dry run's (heartbeats are timed): almost
-    # every one fires; every kind of step was reached.
-    assert fired >= cases - 4, (fired, cases)
+    # The steps of a run may differ a little from the dry run's (heartbeats are timed): the last
+    # few may not be reached; every kind of step was.
+    assert fired >= cases - max(4, cases // 10), (fired, cases)
     assert {"_gather", "_hold", "carry", "remove_unstaged_dir", "open",
             "replace" if sweep == "each-step" else "scandir"} <= set(steps[0]), steps[0]  # fmt: skip
 
@@ -187,8 +190,32 @@ def test_a_ctrl_c_while_a_collective_commit_waits_for_the_background_one_before_
     job: dict[str, Any],
 ) -> None:
     cases, fired = _judge(job, "behind-background")
-    # Timed across a commit measured first: on a loaded machine most come after A returned.
+    # Timed across the earlier commit measured first (the later ones may come after A returned).
     assert cases == 2 * 9 and fired >= 2, (cases, fired)
+
+
+@pytest.mark.slow
+@pytest.mark.regression("0.6.1 second review: a handler setting the default for a second Ctrl-C ended the "
+                        "deferral (the second was raised inside an exchange) and lost its choice")  # fmt: skip
+def test_a_handler_that_arms_the_default_for_a_second_ctrl_c_keeps_the_ranks_in_step_and_its_choice_stands(
+    job: dict[str, Any],
+) -> None:
+    cases = _cases(job, "second-ctrl-c")
+    twice = 0
+    for zero, one, a, b in cases:
+        me = (zero, one)[zero["interrupted"]]
+        if me["fired"] is None:
+            continue
+        assert me["handled"] == 1 and me["default_after"], me  # called once; what it set stands
+        if me["fired_again"] is not None:  # the second: the default's, at the next agreement point
+            twice += 1
+            assert me["a"]["type"] == "KeyboardInterrupt", me
+    _judge_second = [(z, o) for z, o, _, _ in cases if (z, o)[z["interrupted"]]["fired_again"] is not None]
+    assert twice == len(_judge_second) and twice >= len(cases) // 2, (twice, len(cases))
+    for zero, one, a, b in cases:  # whatever the two did, the ranks stayed in step
+        assert zero["b"]["ok"] and one["b"]["ok"] and _complete(b), (zero, one)
+        other = (zero, one)[1 - zero["interrupted"]]
+        assert other["a"]["wait"]["ok"] == _complete(a), (zero, one)
 
 
 @pytest.mark.slow

@@ -87,3 +87,55 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+DIES = """\
+import json, os, sys, time
+import torch.distributed as dist
+import safestage
+from safestage.checkpoint import _sequence
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+publish_file = _sequence.publish_file
+def dies(*args, **kwargs):  # rank 1 dies while it publishes the background commit's files
+    if rank == 1:
+        os._exit(3)
+    return publish_file(*args, **kwargs)
+_sequence.publish_file = dies
+first = safestage.staged_dir(f"{run}/checkpoint-1", group=dist.group.WORLD, timeout=5, background=True)
+with first as local:
+    (local / f"rank{rank}.bin").write_bytes(bytes([rank]) * 4096)
+while not first.done():
+    time.sleep(0.05)
+try:  # the next collective commit cannot even join: its only peer is gone
+    with safestage.staged_dir(f"{run}/checkpoint-2", group=dist.group.WORLD, timeout=5) as local:
+        (local / "never.bin").write_bytes(b"x")
+    said = {"raised": None}
+except Exception as exc:
+    said = {"raised": type(exc).__name__, "error": str(exc), "notes": getattr(exc, "__notes__", [])}
+with open(out, "w") as handle:
+    json.dump(said, handle)
+os._exit(0)
+"""
+
+
+@pytest.mark.regression("0.6.1 second review: an earlier background commit's failure was swallowed when the "
+                        "next collective commit could not join")  # fmt: skip
+def test_a_failed_background_commit_is_raised_at_the_next_collective_commit_even_when_that_one_cannot_start(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    (tmp_path / "stage").mkdir()
+    run.mkdir()
+    env = {**os.environ, "SAFESTAGE_DIR": str(tmp_path / "stage"), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}  # fmt: skip
+    out = tmp_path / "rank0.json"
+    ranks = [subprocess.Popen([sys.executable, "-c", DIES, str(run), str(out)], env={**env, "RANK": str(rank)})
+             for rank in (0, 1)]  # fmt: skip
+    assert [rank.wait(120) for rank in ranks] == [0, 3]
+    said = json.loads(out.read_text())
+    assert said["raised"] == "PublishError" and "checkpoint-1" in said["error"] and "died" in said["error"], said
+    assert any("raised here, at the next staged_dir" in note for note in said["notes"]), said
+    assert not (run / "checkpoint-2").exists()

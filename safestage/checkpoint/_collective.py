@@ -126,7 +126,7 @@ class Collective:
         self.pids: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), from the started exchange
         self.dest: Any = None  # the checkpoint, as given, then as the kernel names it
         self._carried: Optional[Noted] = None  # interrupts noted after step 1, for step 2 (carry)
-        self._interrupt: Optional[BaseException] = None  # the first one taken: raised as it is
+        self._interrupts: list[BaseException] = []  # those taken: raised as they are, never wrapped
 
     @classmethod
     def join(cls, group: Any, timeout: float, dest: Any) -> Collective:
@@ -174,9 +174,12 @@ class Collective:
         late = taken()
         if late is None and self._carried is not None:
             late = self._carried.take()
-        if late is not None and self._interrupt is None:
-            self._interrupt = late
+        if late is not None:
+            self._interrupts.append(late)
         return late
+
+    def _is_interrupt(self, error: Optional[BaseException]) -> bool:
+        return any(error is taken for taken in self._interrupts)
 
     def exchange(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in group order (the same list on every rank). PeerLost if
@@ -330,11 +333,11 @@ class Collective:
         if error is None:
             mine: tuple[str, Any] = ("published", [(e.path, e.size, e.digest, e.etag) for e in entries])
         else:
-            mine = ("interrupted" if error is self._interrupt else "failed", _describe(error))
+            mine = ("interrupted" if self._is_interrupt(error) else "failed", _describe(error))
         outcomes = self.exchange(mine)
         failures = [(rank, how, said) for rank, (how, said) in zip(self.ranks, outcomes) if how != "published"]
         if failures:
-            if error is not None and (error is self._interrupt or not isinstance(error, Exception)):
+            if error is not None and (self._is_interrupt(error) or not isinstance(error, Exception)):
                 raise error  # an interrupt (what the SIGINT handler raised), SystemExit: as they are
             rank, how, text = failures[0]
             what = f"was interrupted ({text})" if how == "interrupted" else f"could not publish: {text.rstrip('.')}"

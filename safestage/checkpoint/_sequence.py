@@ -82,6 +82,7 @@ from ._manifest import (
     FileEntry,
     Manifest,
     new_manifest,
+    parse,
     unsafe_path,
 )
 
@@ -765,7 +766,10 @@ def _land(commit: Commit, peers: Peers, tree: Tree, union: Tree) -> Manifest:
         raise peers.lost_error(lost, dest, "no commit file was written", local) from lost
     except BaseException as exc:
         if not isinstance(exc, Exception) and commit.landed_already():
-            # Interrupted after the commit file landed: the checkpoint is complete.
+            # Interrupted after the commit file landed: the checkpoint is complete (its handle's
+            # wait() returns the manifest).
+            assert commit._writing is not None
+            commit.manifest = parse(commit._writing)
             commit.finish()
             note(exc, f"safestage: interrupted after {dest} was committed (it is complete)")
             raise

@@ -126,7 +126,12 @@ class StagedDir:
             _raise_unseen()
         except BaseException as failed:
             problem = failed
-        self._peers = peers = Collective.join(group, self._timeout, self._commit._argument)
+        try:
+            self._peers = peers = Collective.join(group, self._timeout, self._commit._argument)
+        except BaseException:
+            if problem is not None:
+                raise problem  # noqa: B904 - the earlier commit's failure first; the join's error is its context
+            raise
         self._commit.part = Part("collective", peers.rank, peers.world_size)
         local = _sequence.enter(self._commit, peers, problem)
         _patch.add_unstaged_dir(local, None)
