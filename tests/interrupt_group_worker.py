@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -115,12 +116,24 @@ def commit(dest: Path, rank: int, background: bool, tap: Tap, *, mib: int = 0,
     return result
 
 
+def judged(*dests: Path) -> dict[str, bool]:
+    """Whether each of ``dests`` is complete, said by rank 0 once every rank is past them (the
+    commit after them is collective), then removed: the cases' copies would fill /dev/shm."""
+    said: dict[str, bool] = {}
+    if dist.get_rank() == 0:
+        for dest in dests:
+            said[dest.name] = dest.exists() and safestage.verify(dest).complete
+            shutil.rmtree(dest, ignore_errors=True)
+    return said
+
+
 def main() -> None:
     run, sweeps = Path(sys.argv[1]), json.loads(sys.argv[2])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results: list[dict[str, Any]] = []
     steps_of: dict[str, list[str]] = {}
+    handled: list[int] = []  # the signals the program's own handler got, this case
     for sweep in sweeps:
         name, background = sweep["name"], sweep["background"]
         if "points" in sweep:  # real signals, at times after the block across a commit's length
@@ -139,13 +152,15 @@ def main() -> None:
                     a = commit(run / f"{name}-{index}-a", rank, background, Tap(), mib=0 if behind else sweep["mib"],
                                sigint_after=delay if who == rank else None, from_start=behind)  # fmt: skip
                     b = commit(run / f"{name}-{index}-b", rank, False, Tap())
+                    dist.barrier()  # every rank past B before rank 0 removes it
+                    complete = judged(run / f"{name}-{index}-a", run / f"{name}-{index}-b", run / f"{name}-{index}-before")
                     results.append({"sweep": name, "case": index, "interrupted": who, "delay": round(delay, 3), "a": a, "b": b,
-                                    "before": before,
+                                    "before": before, "complete": complete,
                                     "fired": "signal" if a.get("sent") else None,
                                     "seconds": round(time.monotonic() - started, 2)})  # fmt: skip
             report(results=results, steps=steps_of)
             continue
-        handled: list[int] = []
+        handled.clear()
         if sweep.get("handler") == "flag":  # the program's own handler: it asks for a stop, raises nothing
             signal.signal(signal.SIGINT, lambda signum, frame: handled.append(signum))
         if sweep.get("handler") == "raise":  # the program's own handler raising an Exception
@@ -177,7 +192,10 @@ def main() -> None:
                       again=again if who in (rank, -1) else None)  # fmt: skip
             a = commit(run / f"{name}-{index}-a", rank, background, tap)
             b = commit(run / f"{name}-{index}-b", rank, False, Tap())
+            dist.barrier()  # every rank past B before rank 0 removes it
+            complete = judged(run / f"{name}-{index}-a", run / f"{name}-{index}-b")
             results.append({"sweep": name, "case": index, "interrupted": who, "at": at, "a": a, "b": b,
+                            "complete": complete,
                             "fired": tap.fired.name if tap.fired is not None else None,
                             "dry_step": steps[at] if who in (rank, -1) and at < len(steps) else None,
                             "fired_again": tap.fired_again.name if tap.fired_again is not None else None,
