@@ -104,13 +104,13 @@ def dies(*args, **kwargs):  # rank 1 dies while it publishes the background comm
         os._exit(3)
     return publish_file(*args, **kwargs)
 _sequence.publish_file = dies
-first = safestage.staged_dir(f"{run}/checkpoint-1", group=dist.group.WORLD, timeout=5, background=True)
+first = safestage.staged_dir(f"{run}/checkpoint-1", group=dist.group.WORLD, timeout=3, background=True)
 with first as local:
     (local / f"rank{rank}.bin").write_bytes(bytes([rank]) * 4096)
 while not first.done():
     time.sleep(0.05)
 try:  # the next collective commit cannot even join: its only peer is gone
-    with safestage.staged_dir(f"{run}/checkpoint-2", group=dist.group.WORLD, timeout=5) as local:
+    with safestage.staged_dir(f"{run}/checkpoint-2", group=dist.group.WORLD, timeout=3) as local:
         (local / "never.bin").write_bytes(b"x")
     said = {"raised": None}
 except Exception as exc:
