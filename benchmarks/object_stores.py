@@ -219,11 +219,11 @@ def _median(runs: list[dict[str, float]], field: str) -> float:
 
 
 def measure_uploads(
-    env: dict[str, str], bucket: str, shard_mib: int, repeats: int
+    env: dict[str, str], bucket: str, shard_mib: int, repeats: int, uploaders: tuple[str, ...] = UPLOADERS
 ) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, float]]] = {m: [] for m in UPLOADERS}
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in uploaders}
     for repeat in range(repeats):
-        order = UPLOADERS if repeat % 2 == 0 else tuple(reversed(UPLOADERS))  # A B ... B A
+        order = uploaders if repeat % 2 == 0 else tuple(reversed(uploaders))  # A B ... B A
         for method in order:
             prefix = f"s3://{bucket}/upload-{method}-{uuid.uuid4().hex[:8]}/checkpoint-100"
             runs[method].append(run_child(env, "upload", method, prefix, str(shard_mib)))
@@ -233,7 +233,7 @@ def measure_uploads(
     table = {m: {"seconds": _median(r, "seconds"), "MB_per_s": total_mib * 1.048576 / _median(r, "seconds"),
                  "peak_mib_above_state": max(x["peak_mib_above_state"] for x in r), "runs": r}
              for m, r in runs.items()}  # fmt: skip
-    fastest_peer = min(table[m]["seconds"] for m in UPLOADERS if not m.startswith("safestage"))
+    fastest_peer = min(table[m]["seconds"] for m in uploaders if not m.startswith("safestage"))
     for row in table.values():
         row["time_vs_fastest_peer"] = row["seconds"] / fastest_peer
     return {"checkpoint_mib": total_mib, "methods": table}
@@ -369,6 +369,8 @@ def main() -> None:
     parser.add_argument("--endpoint", help="an S3 endpoint instead of a local seaweedfs")
     parser.add_argument("--bucket", help="the bucket at --endpoint (it must exist)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--uploaders", nargs="*", default=list(UPLOADERS), choices=UPLOADERS,
+                        help="the upload methods to time (a peer at least; default: all)")  # fmt: skip
     args = parser.parse_args()
     shard_mib, steps, repeats = (32, 100, 1) if args.quick else (256, 1000, args.repeats)
     report: dict[str, Any] = {
@@ -381,7 +383,7 @@ def main() -> None:
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, **store_env}
         env["PYTHONPATH"] = str(HERE.parent)
         if "upload" in args.only:
-            report["upload"] = measure_uploads(env, bucket, shard_mib, repeats)
+            report["upload"] = measure_uploads(env, bucket, shard_mib, repeats, tuple(args.uploaders))
         if "fetch" in args.only:
             report["fetch"] = measure_fetches(env, bucket, shard_mib, repeats)
         if "latest" in args.only:
