@@ -179,7 +179,7 @@ class Collective:
         return late
 
     def _is_interrupt(self, error: Optional[BaseException]) -> bool:
-        return any(error is taken for taken in self._interrupts)
+        return any(error is seen for seen in self._interrupts)
 
     def exchange(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in group order (the same list on every rank). PeerLost if
