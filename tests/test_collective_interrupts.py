@@ -37,6 +37,11 @@ from safestage._names import KEPT_RECORD
 from tests._two_nodes import launch
 
 WORKER = Path(__file__).with_name("interrupt_group_worker.py")
+# Where the regression came from, for the tests of the defect itself.
+OUT_OF_STEP = pytest.mark.regression(
+    "0.6.0 CHANGELOG, not done: a Ctrl-C on one rank during a collective commit put the ranks out of step "
+    "for the next one"
+)
 WAITED = 15.0  # seconds: a case that took this long waited for a rank left behind (timeout 30 s)
 # Every step of both ranks, synchronous, in every tier; the long tier (SAFESTAGE_LONG=1) takes
 # every step of the other sweeps too, CI every second or third (a step of each kind all the same).
@@ -137,8 +142,7 @@ def _judge(job: dict[str, Any], sweep: str, raised: str = "KeyboardInterrupt") -
 
 
 @pytest.mark.slow
-@pytest.mark.regression("0.6.0 CHANGELOG, not done: a Ctrl-C on one rank during a collective commit put the "
-                        "ranks out of step for the next one")  # fmt: skip
+@OUT_OF_STEP
 @pytest.mark.parametrize("sweep", ["each-step", "each-step-background"])
 def test_a_ctrl_c_on_one_rank_at_any_step_of_a_collective_commit_ends_it_alike_on_every_rank_and_the_next_lands(
     job: dict[str, Any], sweep: str
@@ -155,8 +159,7 @@ def test_a_ctrl_c_on_one_rank_at_any_step_of_a_collective_commit_ends_it_alike_o
 
 
 @pytest.mark.slow
-@pytest.mark.regression("0.6.0 CHANGELOG, not done: a Ctrl-C on one rank during a collective commit put the "
-                        "ranks out of step for the next one")  # fmt: skip
+@OUT_OF_STEP
 def test_a_ctrl_c_reaching_every_rank_at_once_ends_the_commit_on_every_rank_and_the_next_lands(
     job: dict[str, Any],
 ) -> None:
@@ -165,8 +168,7 @@ def test_a_ctrl_c_reaching_every_rank_at_once_ends_the_commit_on_every_rank_and_
 
 
 @pytest.mark.slow
-@pytest.mark.regression("0.6.0 CHANGELOG, not done: a Ctrl-C on one rank during a collective commit put the "
-                        "ranks out of step for the next one")  # fmt: skip
+@OUT_OF_STEP
 def test_a_real_sigint_at_any_time_of_a_collective_commit_with_copies_in_flight_ends_it_alike_on_every_rank(
     job: dict[str, Any],
 ) -> None:
